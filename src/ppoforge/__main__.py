@@ -1,0 +1,3 @@
+from ppoforge.cli import main
+
+raise SystemExit(main())

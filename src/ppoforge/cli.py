@@ -1,0 +1,117 @@
+"""The `ppoforge` command: parse, build a config, call the library. Nothing else lives here.
+
+  ppoforge train control --preset cartpole --total-steps 200000 --seed 3
+  ppoforge train control --resume runs/CartPole-v1-s3-20261129-201500
+  ppoforge eval RUN_DIR --episodes 20
+
+Bad input of any kind ends in one line on stderr and exit code 2 (see errors.UserError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ppoforge.config import (add_config_arguments, build_config, list_presets, load_saved_config,
+                             overrides_from_args, read_preset)
+from ppoforge.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2 (argparse's code, minus the usage dump)."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _new_run_dir(root: str, name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / f"{name}-{stamp}"
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = Path(root) / f"{name}-{stamp}-{suffix}"
+    return path
+
+
+def _cmd_train_control(args) -> int:
+    from ppoforge.control.config import ControlConfig
+    from ppoforge.control.trainer import train
+
+    overrides = overrides_from_args(args)
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = load_saved_config(ControlConfig, run_dir / "config.yaml")
+        cfg = build_config(ControlConfig, {**vars(saved), **overrides})
+    else:
+        values = read_preset(args.preset, "control") if args.preset else {}
+        cfg = build_config(ControlConfig, {**values, **overrides})
+        run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, f"{cfg.env_id}-s{cfg.seed}")
+    result = train(cfg, run_dir, resume=bool(args.resume))
+    recent = result.recent_returns[-20:]
+    mean = sum(recent) / len(recent) if recent else float("nan")
+    status = f"stopped by {result.stopped_by}, checkpoint saved" if result.stopped_by else "done"
+    print(f"{status}: {result.global_step:,} steps, mean return of last {len(recent)} episodes "
+          f"{mean:.1f}; run dir {result.run_dir}")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from ppoforge.control.evaluate import evaluate
+
+    results = evaluate(Path(args.run_dir), args.episodes, seed=args.seed)
+    for mode, returns in results.items():
+        mean = sum(returns) / len(returns)
+        std = (sum((r - mean) ** 2 for r in returns) / len(returns)) ** 0.5
+        print(f"{mode:>13}: {mean:.1f} ± {std:.1f} over {len(returns)} episodes")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ppoforge.control.config import ControlConfig
+
+    parser = _Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train a policy")
+    train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)
+    control = train_sub.add_parser("control", help="PPO on a gymnasium control task")
+    control.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets('control'))}) "
+                         "or a YAML file")
+    control.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    control.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/<env>-s<seed>-<time>)")
+    control.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
+    add_config_arguments(control, ControlConfig)
+    control.set_defaults(func=_cmd_train_control)
+
+    ev = sub.add_parser("eval", help="evaluate a control run: mean ± std return")
+    ev.add_argument("run_dir", help="a run dir written by `ppoforge train control`")
+    ev.add_argument("--episodes", type=_positive_int, default=20, help="episodes per mode")
+    ev.add_argument("--seed", type=int, default=10_000, help="seed of the first evaluation episode")
+    ev.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as e:
+        print(f"ppoforge: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""Flat dataclass configs: YAML presets, `--key value` overrides, one-line validation errors.
+
+A trainer's config is one dataclass whose fields are declared with `param(default, help, ...)`.
+The same declaration drives `--help`, YAML preset loading, string coercion of CLI overrides, range and
+choice checks, and the `config.yaml` saved in each run dir. Precedence: field default < preset < CLI.
+Cross-field rules and derived values live in the dataclass's `__post_init__`-free `finalize()` hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from ppoforge.errors import UserError
+
+
+def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None):
+    """A config field: default, one-line doc, and optional allowed values / inclusive bounds / x > gt."""
+    meta = {"help": help, "choices": choices, "lo": lo, "hi": hi, "gt": gt}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _base_type(annotation) -> tuple[type, bool]:
+    """(type, optional) for annotations like int, float, str, bool, `float | None`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _coerce(name: str, value, annotation):
+    kind, optional = _base_type(annotation)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise UserError(f"{name}: a value is required ({kind.__name__})")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise UserError(f"{name}: {value!r} is not a boolean; allowed: true or false")
+    if kind is int:
+        if isinstance(value, bool):
+            raise UserError(f"{name}: {value!r} is not an integer")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{name}: {value!r} is not an integer") from None
+        if not as_float.is_integer():
+            raise UserError(f"{name}: {value!r} is not an integer")
+        return int(as_float)
+    if kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{name}: {value!r} is not a number") from None
+    return str(value)
+
+
+def _check(name: str, value, meta: dict) -> None:
+    if value is None:
+        return
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise UserError(f"{name}: {value!r} is not allowed; allowed: {', '.join(map(str, meta['choices']))}")
+    if meta["lo"] is not None and value < meta["lo"]:
+        raise UserError(f"{name}: {value} is out of range; allowed: >= {meta['lo']}"
+                        + (f" and <= {meta['hi']}" if meta["hi"] is not None else ""))
+    if meta["hi"] is not None and value > meta["hi"]:
+        raise UserError(f"{name}: {value} is out of range; allowed: <= {meta['hi']}"
+                        + (f" and >= {meta['lo']}" if meta["lo"] is not None else ""))
+    if meta["gt"] is not None and value <= meta["gt"]:
+        raise UserError(f"{name}: {value} is out of range; allowed: > {meta['gt']}")
+
+
+def build_config(cls, values: dict):
+    """Coerce, range-check and construct `cls` from a {field: value} dict; unknown keys are errors."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise UserError(f"unknown config key {unknown[0]!r}; allowed keys: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in values.items():
+        kwargs[name] = _coerce(name, value, hints[name])
+        _check(name, kwargs[name], fields[name].metadata)
+    cfg = cls(**kwargs)
+    for name, f in fields.items():  # defaults go through the same checks
+        _check(name, getattr(cfg, name), f.metadata)
+    if hasattr(cfg, "finalize"):
+        cfg.finalize()
+    return cfg
+
+
+def read_preset(preset: str, domain: str) -> dict:
+    """A preset is a YAML file path, or the name of a built-in one under ppoforge/configs/<domain>/."""
+    path = Path(preset)
+    if not path.suffix:
+        builtin = resources.files("ppoforge") / "configs" / domain / f"{preset}.yaml"
+        if not builtin.is_file():
+            raise UserError(f"preset: no built-in preset {preset!r}; allowed: "
+                            f"{', '.join(list_presets(domain))} or a path to a .yaml file")
+        text = builtin.read_text()
+    else:
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise UserError(f"preset: cannot read {path} ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"preset: {preset} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"preset: {preset} must be a mapping of config keys to values")
+    return data
+
+
+def list_presets(domain: str) -> list[str]:
+    folder = resources.files("ppoforge") / "configs" / domain
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One `--field-name` option per field; values stay strings until `build_config` coerces them."""
+    group = parser.add_argument_group(f"{cls.__name__} fields (override preset values)")
+    for f in dataclasses.fields(cls):
+        kind, _ = _base_type(typing.get_type_hints(cls)[f.name])
+        extra = f" {{{','.join(map(str, f.metadata['choices']))}}}" if f.metadata["choices"] else ""
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg.{f.name}", default=argparse.SUPPRESS,
+                           metavar=kind.__name__.upper(),
+                           help=f"{f.metadata['help']}{extra} (default: {f.default})")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    return {k.removeprefix("cfg."): v for k, v in vars(args).items() if k.startswith("cfg.")}
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg, path: Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def load_saved_config(cls, path: Path):
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError:
+        raise UserError(f"no config.yaml in run dir {Path(path).parent}") from None
+    return build_config(cls, data)

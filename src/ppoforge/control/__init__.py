@@ -1,0 +1,1 @@
+"""PPO for gymnasium control tasks (discrete and continuous actions)."""

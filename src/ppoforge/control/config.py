@@ -1,0 +1,61 @@
+"""ControlConfig: every knob of control PPO, with CleanRL's `ppo.py` CartPole defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppoforge.config import param
+from ppoforge.errors import UserError
+from ppoforge.runtime.device import DEVICE_CHOICES
+from ppoforge.runtime.precision import PRECISION_CHOICES
+
+
+@dataclass
+class ControlConfig:
+    env_id: str = param("CartPole-v1", "gymnasium environment id")
+    total_steps: int = param(500_000, "environment steps to train for (all envs together)", lo=1)
+    seed: int = param(1, "seed for torch, numpy, python and the environments", lo=0)
+    num_envs: int = param(4, "parallel environments in the vector env", lo=1)
+    num_steps: int = param(128, "steps per environment per rollout", lo=1)
+    learning_rate: float = param(2.5e-4, "Adam learning rate", gt=0)
+    anneal_lr: bool = param(True, "linearly anneal the learning rate to 0 over training")
+    gamma: float = param(0.99, "discount factor", lo=0.0, hi=1.0)
+    gae_lambda: float = param(0.95, "GAE lambda", lo=0.0, hi=1.0)
+    update_epochs: int = param(4, "PPO epochs over each rollout", lo=1)
+    num_minibatches: int = param(4, "minibatches per epoch", lo=1)
+    norm_adv: bool = param(True, "normalize advantages per minibatch")
+    clip_coef: float = param(0.2, "PPO surrogate clipping epsilon", gt=0)
+    clip_vloss: bool = param(True, "clip the value loss around the old values (by clip_coef)")
+    ent_coef: float = param(0.01, "entropy bonus coefficient", lo=0.0)
+    vf_coef: float = param(0.5, "value loss coefficient", lo=0.0)
+    max_grad_norm: float = param(0.5, "global gradient-norm clip", gt=0)
+    target_kl: float | None = param(None, "stop the epochs of an update early once approx-KL exceeds this")
+    hidden_size: int = param(64, "width of the two hidden layers of actor and critic", lo=1)
+    normalize_obs: bool = param(False, "running mean/std observation normalization")
+    normalize_reward: bool = param(False, "scale rewards by the running std of the discounted return")
+    clip_obs: float = param(10.0, "clip normalized observations to +-this", gt=0)
+    clip_reward: float = param(10.0, "clip normalized rewards to +-this", gt=0)
+    device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
+    precision: str = param("fp32", "fp32, bf16 (CPU or CUDA) or fp16 (CUDA)", choices=PRECISION_CHOICES)
+    torch_threads: int = param(1, "torch intra-op threads (tiny MLPs run fastest on one)", lo=1)
+    checkpoint_every: int = param(50, "save a checkpoint every this many updates (and at the end)", lo=1)
+    tensorboard: bool = param(True, "also write TensorBoard event files")
+    progress: bool = param(True, "show a live progress bar")
+
+    def finalize(self) -> None:
+        if self.device.split(":")[0] not in DEVICE_CHOICES:
+            raise UserError(f"device: {self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        if self.batch_size < self.num_minibatches:
+            raise UserError(f"num_minibatches: {self.num_minibatches} exceeds the batch size "
+                            f"num_envs * num_steps = {self.batch_size}")
+        if self.total_steps < self.batch_size:
+            raise UserError(f"total_steps: {self.total_steps} is less than one rollout "
+                            f"(num_envs * num_steps = {self.batch_size}); allowed: >= {self.batch_size}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_steps // self.batch_size

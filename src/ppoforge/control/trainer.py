@@ -1,0 +1,183 @@
+"""Control PPO, top to bottom: collect -> advantages -> update -> log -> checkpoint.
+
+Implements the 13 core details of "The 37 Implementation Details of PPO" (Huang et al. 2022) —
+vector envs, orthogonal init, Adam eps 1e-5, LR annealing, GAE, shuffled minibatches, per-minibatch
+advantage normalization, clipped surrogate, value clipping, entropy bonus, global grad-norm clip,
+approx-KL/clipfrac diagnostics, separate actor and critic — and the continuous-action ones (state-
+independent log-std, obs and reward normalization with clipping, action clipping with the unclipped
+action stored). Deliberate deviation from CleanRL: time-limit truncations bootstrap from V(final obs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ppoforge.config import config_to_dict, save_config
+from ppoforge.control.agent import ActorCritic, make_policy
+from ppoforge.control.config import ControlConfig
+from ppoforge.control.envs import make_vector_env
+from ppoforge.control.rollout import EnvRunner, Rollout
+from ppoforge.core.advantages import gae
+from ppoforge.core.losses import policy_loss, value_loss
+from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state
+from ppoforge.runtime.device import resolve_device
+from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.precision import Precision, make_precision
+from ppoforge.runtime.progress import Progress
+from ppoforge.runtime.signals import StopFlag
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    global_step: int
+    updates: int
+    recent_returns: list[float]   # the last <= 100 finished episodes, oldest first
+    stopped_by: str | None        # a signal name when interrupted
+
+
+def _flatten(ro: Rollout, adv: np.ndarray, ret: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+    """Valid transitions only, as (M, ...) tensors on the training device."""
+    keep = ro.valid.reshape(-1)
+    cols = {"obs": ro.obs, "actions": ro.actions, "logp": ro.logp, "values": ro.values, "adv": adv, "ret": ret}
+    return {k: torch.from_numpy(v.reshape(keep.shape[0], *v.shape[2:])[keep]).to(device) for k, v in cols.items()}
+
+
+def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[str, torch.Tensor],
+               cfg: ControlConfig) -> dict[str, float]:
+    """`update_epochs` passes of shuffled minibatches; returns the last epoch's mean diagnostics."""
+    n = batch["obs"].shape[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for _epoch in range(cfg.update_epochs):
+        stats = []
+        for idx in torch.randperm(n, device=batch["obs"].device).tensor_split(cfg.num_minibatches):
+            mb = {k: v[idx] for k, v in batch.items()}
+            with precision.autocast():
+                logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
+            adv = mb["adv"]
+            if cfg.norm_adv and adv.numel() > 1:
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            pg_loss, pg_stats = policy_loss(logp, mb["logp"], adv, cfg.clip_coef)
+            v_loss, _ = value_loss(values, mb["values"], mb["ret"], cfg.clip_coef if cfg.clip_vloss else None)
+            ent = entropy.mean()
+            loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
+            optimizer.zero_grad(set_to_none=True)
+            precision.backward(loss)
+            precision.step(optimizer, params, cfg.max_grad_norm)
+            stats.append(torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg_stats["approx_kl"],
+                                      pg_stats["clipfrac"], -(mb["logp"] - logp.detach()).mean()]))
+        mean = torch.stack(stats).mean(0).tolist()
+        if cfg.target_kl is not None and mean[3] > cfg.target_kl:
+            break
+    keys = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl")
+    return {f"losses/{k}": v for k, v in zip(keys, mean, strict=True)}
+
+
+def explained_variance(pred: np.ndarray, target: np.ndarray) -> float:
+    var = np.var(target)
+    return float("nan") if var == 0 else float(1 - np.var(target - pred) / var)
+
+
+class ControlTrainer:
+    """Holds the run's state; `run()` trains until total_steps, a stop signal, or an error."""
+
+    def __init__(self, cfg: ControlConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        torch.set_num_threads(cfg.torch_threads)
+        seed_everything(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.precision = make_precision(cfg.precision, self.device)
+        envs = make_vector_env(cfg.env_id, cfg.num_envs)
+        space = envs.single_action_space
+        continuous = space.shape != ()
+        act_dim = int(np.prod(space.shape)) if continuous else int(space.n)
+        self.agent = ActorCritic(envs.single_observation_space.shape[0], act_dim, continuous,
+                                 cfg.hidden_size).to(self.device)
+        self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5,
+                                          **({"fused": True} if self.device.type in ("cpu", "cuda") else {}))
+        self.runner = EnvRunner(envs, cfg.seed, cfg.gamma, cfg.normalize_obs, cfg.normalize_reward,
+                                cfg.clip_obs, cfg.clip_reward)
+        self.policy_rng = np.random.default_rng(cfg.seed)
+        self.policy = make_policy(self.agent, self.policy_rng)
+        self.update = 0  # completed updates
+
+    # ---- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"agent": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(), "runner": self.runner.state_dict(),
+                "policy_rng": self.policy_rng.bit_generator.state, "rng": rng_state(),
+                "update": self.update, "config": config_to_dict(self.cfg)}
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir / CHECKPOINT, self.state_dict())
+
+    def load(self, state: dict) -> None:
+        self.agent.load_state_dict(state["agent"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        self.runner.load_state_dict(state["runner"])
+        self.policy_rng.bit_generator.state = state["policy_rng"]
+        set_rng_state(state["rng"])
+        self.update = state["update"]
+
+    # ---- training ---------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        save_config(cfg, self.run_dir / "config.yaml")
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.update * cfg.batch_size)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
+        progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
+                            enabled=cfg.progress, unit="step")
+        try:
+            with StopFlag() as stop:
+                while self.update < cfg.num_updates and not stop:
+                    metrics = self.train_one_update()
+                    logger.log(self.update * cfg.batch_size, metrics)
+                    progress.advance(cfg.batch_size, sps=metrics["charts/SPS"],
+                                     ret=metrics.get("charts/episodic_return"))
+                    if self.update % cfg.checkpoint_every == 0 or self.update == cfg.num_updates or stop:
+                        self.save()
+        finally:
+            progress.close()
+            logger.close()
+        plot_curves(self.run_dir / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",
+                    "losses/approx_kl"], self.run_dir / "learning_curve.png", title=cfg.env_id)
+        return TrainResult(self.run_dir, self.update * cfg.batch_size, self.update,
+                           [r for r, _ in self.runner.finished], stop.signal_name)
+
+    def train_one_update(self) -> dict:
+        cfg = self.cfg
+        start = time.perf_counter()
+        if cfg.anneal_lr:
+            self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * (1.0 - self.update / cfg.num_updates)
+        ro = self.runner.collect(self.policy, cfg.num_steps)
+        next_values = np.concatenate([ro.values[1:], ro.next_value[None]], 0)
+        adv, ret = gae(*(torch.from_numpy(x) for x in (ro.rewards, ro.values, next_values, ro.terminated,
+                                                      ro.ended)), gamma=cfg.gamma, lam=cfg.gae_lambda)
+        adv, ret = adv.numpy(), ret.numpy()
+        batch = _flatten(ro, adv, ret, self.device)
+        metrics = ppo_update(self.agent, self.optimizer, self.precision, batch, cfg)
+        self.update += 1
+        keep = ro.valid
+        metrics["losses/explained_variance"] = explained_variance(ro.values[keep], ret[keep])
+        metrics["charts/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        if self.runner.new_episodes:
+            metrics["charts/episodic_return"] = float(np.mean([r for r, _ in self.runner.new_episodes]))
+            metrics["charts/episodic_length"] = float(np.mean([n for _, n in self.runner.new_episodes]))
+        metrics["charts/SPS"] = cfg.batch_size / (time.perf_counter() - start)
+        return metrics
+
+
+def train(cfg: ControlConfig, run_dir: Path, resume: bool = False) -> TrainResult:
+    """Train (or, with resume, continue) a run in `run_dir`."""
+    trainer = ControlTrainer(cfg, run_dir)
+    if resume:
+        trainer.load(load_checkpoint(Path(run_dir) / CHECKPOINT))
+    return trainer.run()

@@ -1,0 +1,55 @@
+"""KL penalty estimators and controllers for RLHF (Ziegler et al. 2019; Schulman's k1/k3 note).
+
+The per-token penalty compares the policy to the frozen reference on the sampled tokens:
+k1 = logp - ref_logp (unbiased, can be negative per token); k3 = (r - 1) - log r with r = ref/policy
+(unbiased, always >= 0, lower variance). The controller sets the coefficient beta.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate on the sampled tokens."""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+class FixedKLController:
+    """A constant beta."""
+
+    def __init__(self, beta: float):
+        self.value = beta
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019: beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon."""
+
+    def __init__(self, beta: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = beta, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]

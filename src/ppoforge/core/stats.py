@@ -1,0 +1,79 @@
+"""Masked statistics, whitening and a running mean/std normalizer.
+
+Masks are 0/1 tensors of the same shape as the data; a masked mean divides by the number of real
+entries, never by the padded size (the classic RLHF normalization bug).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor | None, dim=None) -> torch.Tensor:
+    if mask is None:
+        return x.sum() if dim is None else x.sum(dim)
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None, dim=None) -> torch.Tensor:
+    """Mean over entries where mask is 1 (all entries when mask is None)."""
+    if mask is None:
+        return x.mean() if dim is None else x.mean(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor | None = None, unbiased: bool = True) -> torch.Tensor:
+    """Variance over masked entries, with Bessel's correction by default (as torch.var)."""
+    mean = masked_mean(x, mask)
+    sq = masked_mean((x - mean) ** 2, mask)
+    if not unbiased:
+        return sq
+    n = x.numel() if mask is None else mask.sum()
+    return sq * n / (n - 1).clamp(min=1) if torch.is_tensor(n) else sq * n / max(n - 1, 1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries; padded entries come back as 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out if mask is None else out * mask
+
+
+class RunningMeanStd:
+    """Running mean and variance over a stream of batches (Chan et al.'s parallel update), in float64.
+
+    Used for observation and return normalization in control PPO. `state_dict` holds plain lists so
+    checkpoints load with `torch.load(weights_only=True)`.
+    """
+
+    def __init__(self, shape: tuple[int, ...] = (), epsilon: float = 1e-4):
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = epsilon
+
+    def update(self, batch: np.ndarray) -> None:
+        batch = np.asarray(batch, np.float64)
+        b_mean, b_var, b_count = batch.mean(0), batch.var(0), batch.shape[0]
+        delta = b_mean - self.mean
+        total = self.count + b_count
+        self.mean = self.mean + delta * b_count / total
+        m2 = self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / total
+        self.var = m2 / total
+        self.count = total
+
+    def normalize(self, x: np.ndarray, clip: float, eps: float = 1e-8) -> np.ndarray:
+        out = (x - self.mean) / np.sqrt(self.var + eps)
+        return np.clip(out, -clip, clip).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean.tolist(), "var": self.var.tolist(), "count": float(self.count)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean = np.asarray(state["mean"], np.float64)
+        self.var = np.asarray(state["var"], np.float64)
+        self.count = float(state["count"])

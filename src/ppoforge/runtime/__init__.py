@@ -1,0 +1,1 @@
+"""Device, precision, checkpoints, metrics and signals shared by every trainer."""

@@ -1,0 +1,91 @@
+"""Metrics sinks: JSONL (the source of truth), TensorBoard, and a learning-curve PNG.
+
+Metric names are namespaced (`charts/`, `losses/`, `objective/`, `policy/`, `loss/`, `val/`, `perf/`)
+and documented in docs/metrics.md. JSONL lines are appended and flushed per log call, so a killed
+run keeps every line it logged; on resume the file is truncated back to the checkpoint's step first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value
+
+
+class MetricsLogger:
+    """Write `{"step": s, **metrics}` lines to metrics.jsonl and scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def log_text(self, step: int, tag: str, markdown: str) -> None:
+        if self._tb:
+            self._tb.add_text(tag, markdown, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb:
+            self._tb.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines logged after `last_step` (they belong to updates a resume will redo)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str = "") -> Path | None:
+    """One subplot per key that appears in the log, x = step. Returns the PNG path, or None."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    if not present:
+        return None
+    fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], present, strict=True):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.5)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return Path(out_png)
