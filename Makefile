@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench-control clean
+.PHONY: venv demo test lint bench-control bench-rlhf clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: $(STAMP)
 
 bench-control: $(STAMP)
 	$(PY) benchmarks/control_vs_sb3.py
+
+# LM PPO vs TRL 1.12 side by side; TRL gets its own venv (.bench-venvs/trl, made on first use).
+BENCH_WORKLOADS ?= tiny
+bench-rlhf: $(STAMP)
+	TORCH_SPEC="$(TORCH_SPEC)" $(PY) benchmarks/rlhf_vs_trl.py --workloads $(BENCH_WORKLOADS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
