@@ -20,7 +20,7 @@ def load_agent(run_dir: Path) -> tuple[ControlConfig, ActorCritic, RunningMeanSt
     run_dir = Path(run_dir)
     cfg = load_saved_config(ControlConfig, run_dir / "config.yaml")
     state = load_checkpoint(run_dir / CHECKPOINT)
-    agent = ActorCritic.from_state_dict(state["agent"], cfg.hidden_size)
+    agent = ActorCritic.from_state_dict(state["agent"])
     obs_rms = None
     if state["runner"]["obs_rms"] is not None:
         obs_rms = RunningMeanStd()

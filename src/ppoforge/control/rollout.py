@@ -75,10 +75,9 @@ class EnvRunner:
     def collect(self, policy: Policy, num_steps: int) -> Rollout:
         self.new_episodes = []
         obs_buf = np.empty((num_steps, *self.obs.shape), np.float32)
-        cols = [np.empty((num_steps, self.n), np.float32) for _ in range(4)]
-        logp_buf, value_buf, reward_buf, _ = cols
-        flags = [np.empty((num_steps, self.n), bool) for _ in range(3)]
-        term_buf, ended_buf, valid_buf = flags
+        logp_buf, value_buf, reward_buf = (np.empty((num_steps, self.n), np.float32) for _ in range(3))
+        term_buf, ended_buf = np.empty((num_steps, self.n), bool), np.empty((num_steps, self.n), bool)
+        valid_buf = np.ones((num_steps, self.n), bool)
         actions = []
         for t in range(num_steps):
             obs_buf[t] = self.obs
@@ -86,19 +85,22 @@ class EnvRunner:
             actions.append(action)
             env_action = action if self.bounds is None else np.clip(action, *self.bounds)
             raw, reward, terminated, truncated, _ = self.envs.step(env_action)
-            valid = ~self.reset_pending
-            ended = (terminated | truncated) & valid
-            self._track_episodes(reward, ended, valid)
-            reward_buf[t] = self._normalize_reward(reward * valid, ended, valid)
-            term_buf[t], ended_buf[t], valid_buf[t] = terminated & valid, ended, valid
+            ended = terminated | truncated
+            if self.reset_pending.any():  # those envs just reset: not a real transition
+                valid = valid_buf[t] = ~self.reset_pending
+                reward, terminated, ended = reward * valid, terminated & valid, ended & valid
+            self.ep_return += reward
+            self.ep_length += valid_buf[t]
+            if ended.any():
+                self._finish_episodes(ended)
+            reward_buf[t] = self._normalize_reward(reward, ended, valid_buf[t])
+            term_buf[t], ended_buf[t] = terminated, ended
             self.reset_pending = ended
             self.obs = self._normalize_obs(raw)
         return Rollout(obs_buf, np.stack(actions), logp_buf, value_buf, reward_buf, term_buf, ended_buf,
                        valid_buf, policy.value(self.obs))
 
-    def _track_episodes(self, reward: np.ndarray, ended: np.ndarray, valid: np.ndarray) -> None:
-        self.ep_return += reward * valid
-        self.ep_length += valid
+    def _finish_episodes(self, ended: np.ndarray) -> None:
         for i in np.flatnonzero(ended):
             self.new_episodes.append((float(self.ep_return[i]), int(self.ep_length[i])))
             self.finished.append(self.new_episodes[-1])
