@@ -69,6 +69,14 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_doctor(args) -> int:
+    from ppoforge.doctor.runner import Options, main, parse_require
+
+    opts = Options(device=args.device, precision=args.precision, quick=args.quick,
+                   require=parse_require(args.require), runs_root=args.runs_root)
+    return main(opts, as_json=args.json)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -101,6 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--episodes", type=_positive_int, default=20, help="episodes per mode")
     ev.add_argument("--seed", type=int, default=10_000, help="seed of the first evaluation episode")
     ev.set_defaults(func=_cmd_eval)
+
+    from ppoforge.doctor.report import CAPABILITY_KEYS, DEFAULT_REQUIRE
+    from ppoforge.runtime.precision import PRECISION_CHOICES
+
+    doc = sub.add_parser("doctor", help="check this machine: GPU, precision, libraries, storage, security; "
+                         "exit 0 when the required capabilities hold")
+    doc.add_argument("--quick", action="store_true",
+                     help="skip the slow checks (all-reduce, smoke runs, matmul benchmark); for HEALTHCHECK")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    doc.add_argument("--device", default="auto", help="device for the smoke runs: auto, cpu, cuda, cuda:N")
+    doc.add_argument("--precision", default="fp32", choices=PRECISION_CHOICES,
+                     help="precision for the smoke runs (default: fp32)")
+    doc.add_argument("--require", default=",".join(DEFAULT_REQUIRE),
+                     help="capabilities that decide the exit code, comma-separated: "
+                     f"{', '.join(CAPABILITY_KEYS)}, all or none (default: {','.join(DEFAULT_REQUIRE)})")
+    doc.add_argument("--runs-root", default="runs", help="the runs/checkpoint dir to check (default: runs)")
+    doc.set_defaults(func=_cmd_doctor)
     return parser
 
 

@@ -1,0 +1,150 @@
+"""Distributed: backends, a real 2-process all-reduce under a timeout, /dev/shm and the memlock limit.
+
+The all-reduce runs in two fresh interpreters (not fork: CUDA and fork do not mix), NCCL when two GPUs
+are visible and gloo otherwise. A hang is the classic NCCL failure — no error, just a stuck collective —
+so the parent kills both ranks at the deadline and turns the hang into a `fail` with the usual fixes.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ppoforge.doctor.report import CheckResult, fail, ok, warn
+
+GIB = 2**30
+WORKER = "from ppoforge.doctor.distributed import allreduce_worker; allreduce_worker()"
+NCCL_FIXES = ("NCCL_P2P_DISABLE=1 (PCIe peer-to-peer broken, e.g. by an IOMMU or a VM); "
+              "NCCL_SOCKET_IFNAME=<interface> (e.g. eth0; the default pick can be a dead bridge); "
+              "NCCL_IB_DISABLE=1 without InfiniBand; docker run --ipc=host; rerun with NCCL_DEBUG=INFO")
+GLOO_FIXES = ("GLOO_SOCKET_IFNAME=lo (or your real interface); make sure the hostname resolves "
+              "(getent hosts $(hostname)) and 127.0.0.1 is not firewalled; docker run --ipc=host")
+
+
+@dataclass
+class DistFacts:
+    gloo: bool
+    nccl: bool
+    nccl_version: str | None
+    gpus: int
+
+
+def gather_dist(gpus: int) -> DistFacts:
+    nccl = dist.is_available() and dist.is_nccl_available()
+    version = ".".join(map(str, torch.cuda.nccl.version())) if nccl else None
+    return DistFacts(dist.is_available() and dist.is_gloo_available(), nccl, version, gpus)
+
+
+def check_dist_backends(f: DistFacts) -> CheckResult:
+    name = "dist_backends"
+    evidence = f"gloo {'yes' if f.gloo else 'no'}, NCCL {f.nccl_version or 'no'}; {f.gpus} GPU(s) visible"
+    if not f.gloo:
+        return fail(name, evidence, "install an official torch wheel (gloo ships with it)")
+    if f.gpus >= 2 and not f.nccl:
+        return fail(name, evidence + "; two GPUs but no NCCL",
+                    "install a CUDA torch wheel (NCCL ships with it) from https://download.pytorch.org/whl/")
+    return ok(name, evidence)
+
+
+def allreduce_worker() -> None:
+    """One rank: init, all-reduce [rank + 1] * 4 over 2 ranks, print the sum (12.0)."""
+    backend, rank = os.environ["PPOFORGE_DOCTOR_BACKEND"], int(os.environ["RANK"])
+    timeout = timedelta(seconds=float(os.environ["PPOFORGE_DOCTOR_TIMEOUT"]))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    x = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(x)
+    print(x.sum().item(), flush=True)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_allreduce(backend: str, timeout: float, code: str = WORKER) -> tuple[bool, str]:
+    """(succeeded, what happened). Both ranks are killed at the deadline."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "PPOFORGE_DOCTOR_BACKEND": backend, "PPOFORGE_DOCTOR_TIMEOUT": str(timeout),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    deadline, outputs = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
+    except subprocess.TimeoutExpired:
+        return False, f"hung: no result within {timeout:g} s, both ranks killed"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    results = [out.strip().splitlines()[-1] if out.strip() else "" for out, _ in outputs]
+    if all(p.returncode == 0 for p in procs) and results == ["12.0", "12.0"]:
+        return True, "both ranks got 12.0 (= 4 x (1 + 2))"
+    errors = [err.strip().splitlines()[-1] for (_, err) in outputs if err.strip()]
+    return False, (f"exit codes {[p.returncode for p in procs]}, results {results}"
+                   + (f"; {errors[0][:200]}" if errors else ""))
+
+
+def check_allreduce(gpus: int, nccl: bool, timeout: float = 30.0, code: str = WORKER) -> CheckResult:
+    name = "allreduce"
+    backend = "nccl" if gpus >= 2 and nccl else "gloo"
+    start = time.perf_counter()
+    passed, what = run_allreduce(backend, timeout, code)
+    evidence = f"2-process {backend} all-reduce: {what} ({time.perf_counter() - start:.1f} s)"
+    if passed:
+        return ok(name, evidence)
+    return fail(name, evidence, NCCL_FIXES if backend == "nccl" else GLOO_FIXES)
+
+
+# ---- shared memory and pinned memory --------------------------------------------------------------
+def shm_bytes(path: str = "/dev/shm") -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_frsize * st.f_blocks
+
+
+def check_shm(size: int | None, container: bool) -> CheckResult:
+    """DataLoader workers and NCCL's intra-node transport live in /dev/shm; Docker's default is 64 MiB."""
+    name = "shm"
+    fix = ("docker run --ipc=host (or --shm-size=8g)" if container
+           else "sudo mount -o remount,size=8G /dev/shm")
+    if size is None:
+        return warn(name, "no /dev/shm", fix)
+    evidence = f"/dev/shm {size / GIB:.2f} GiB" + (" (in a container)" if container else "")
+    if size < GIB:
+        return warn(name, evidence + "; < 1 GiB: NCCL and DataLoader workers fail with bus errors", fix)
+    return ok(name, evidence)
+
+
+def memlock_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+
+
+def check_memlock(limit: int, gpus: int) -> CheckResult:
+    """ulimit -l: NCCL over InfiniBand / GPUDirect pins memory and fails under a small limit."""
+    name = "memlock"
+    if limit == resource.RLIM_INFINITY:
+        return ok(name, "ulimit -l unlimited")
+    evidence = f"ulimit -l {limit // 1024} KiB"
+    if gpus >= 2:
+        return warn(name, evidence + "; NCCL over InfiniBand / GPUDirect needs to pin more",
+                    "docker run --ulimit memlock=-1 (or ulimit -l unlimited; /etc/security/limits.conf)")
+    return ok(name, evidence + " (matters only for multi-GPU NCCL over InfiniBand)")

@@ -1,0 +1,120 @@
+"""Python, the torch build, and the CPU.
+
+Each check reads its facts through a small `gather_*` function into a dataclass, so tests can hand
+the check any machine they like. The CPU bf16 verdict comes from /proc/cpuinfo flags (AMX, AVX-512-BF16)
+*and* a measured matmul rate: without those flags oneDNN emulates bf16 and it runs slower than fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ppoforge.doctor.report import CheckResult, fail, ok, warn
+from ppoforge.doctor.versions import TORCH_SAFE_LOAD, at_least
+
+
+@dataclass
+class TorchFacts:
+    python: str
+    torch: str
+    cuda: str | None     # torch.version.cuda: the CUDA the wheel was built for
+    hip: str | None      # torch.version.hip: set on ROCm wheels
+    cudnn: int | None
+    cxx11_abi: bool
+
+
+def gather_torch() -> TorchFacts:
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return TorchFacts(platform.python_version(), torch.__version__, torch.version.cuda, torch.version.hip,
+                      cudnn, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+
+
+def wheel_flavour(cuda: str | None, hip: str | None) -> str:
+    if hip:
+        return f"ROCm {hip}"
+    return f"CUDA {cuda}" if cuda else "CPU-only"
+
+
+def check_python_torch(f: TorchFacts) -> CheckResult:
+    name = "python_torch"
+    evidence = (f"Python {f.python}; torch {f.torch} ({wheel_flavour(f.cuda, f.hip)} wheel), "
+                f"torch.version.cuda {f.cuda or '-'}, cuDNN {f.cudnn or '-'}, C++11 ABI {int(f.cxx11_abi)}")
+    if not at_least(f.python, "3.10"):
+        return fail(name, evidence + "; ppoforge needs Python >= 3.10", "use Python 3.10+ (uv venv -p 3.12)")
+    if not at_least(f.torch, TORCH_SAFE_LOAD):
+        return warn(name, evidence + f"; torch < {TORCH_SAFE_LOAD}: transformers refuses to load .bin "
+                    "weights and torch.load is not weights_only by default",
+                    f"pip install 'torch>={TORCH_SAFE_LOAD}' (same index URL as your current wheel)")
+    return ok(name, evidence)
+
+
+# ---- CPU ------------------------------------------------------------------------------------------
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass
+class CpuFacts:
+    cores: int                 # logical CPUs this process may run on
+    online: int                # logical CPUs in the machine
+    model: str
+    flags: set[str]
+    fp32_gflops: float | None  # measured; None when skipped (--quick)
+    bf16_gflops: float | None
+
+
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU; ('unknown', set()) where there is no /proc/cpuinfo."""
+    model, flags = "", set()
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return model or platform.processor() or "unknown", flags
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 512, seconds: float = 0.15) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up: oneDNN picks its kernel on the first call
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return count * 2 * n**3 / (time.perf_counter() - start) / 1e9
+
+
+def gather_cpu(measure: bool) -> CpuFacts:
+    model, flags = read_cpuinfo()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    fp32 = matmul_gflops(torch.float32) if measure else None
+    bf16 = matmul_gflops(torch.bfloat16) if measure else None
+    return CpuFacts(cores, os.cpu_count() or cores, model, flags, fp32, bf16)
+
+
+def check_cpu(f: CpuFacts, precision: str, device: str) -> CheckResult:
+    name = "cpu"
+    fast = sorted(set(BF16_FLAGS) & f.flags)
+    evidence = (f"{f.model}; {f.cores} usable of {f.online} logical CPUs; bf16 fast path: "
+                f"{', '.join(fast) if fast else 'none (no amx_bf16 / avx512_bf16 flag)'}")
+    if f.fp32_gflops is not None and f.bf16_gflops is not None:
+        evidence += (f"; 512x512 matmul fp32 {f.fp32_gflops:.0f} GFLOP/s, bf16 {f.bf16_gflops:.0f} GFLOP/s "
+                     f"({f.bf16_gflops / f.fp32_gflops:.1f}x)")
+    bf16_slow = not fast or (f.bf16_gflops is not None and f.bf16_gflops < f.fp32_gflops)
+    if precision == "bf16" and device == "cpu" and bf16_slow:
+        return warn(name, evidence + "; bf16 on this CPU is emulated and slower than fp32",
+                    "--precision fp32 on this CPU")
+    if f.cores < 2:
+        return warn(name, evidence + "; one CPU: env stepping and training share it",
+                    "give the container more CPUs (docker run --cpus 4)")
+    return ok(name, evidence)
