@@ -1,0 +1,1 @@
+"""PPO RLHF for causal language models: model loading, prompts, rewards, sampling, training."""

