@@ -9,6 +9,7 @@ step that ended returns the true final observation — exactly what a truncation
 from __future__ import annotations
 
 import difflib
+import functools
 
 import gymnasium as gym
 import numpy as np
@@ -26,9 +27,12 @@ def check_env_id(env_id: str) -> None:
 
 def make_vector_env(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
     check_env_id(env_id)
-    mode = "vector_entry_point" if gym.registry[env_id].vector_entry_point else "sync"
     try:
-        envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=mode)
+        if gym.registry[env_id].vector_entry_point:
+            envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point")
+        else:
+            # functools.partial (not make_vec's closure) keeps the vector env picklable for checkpoints.
+            envs = gym.vector.SyncVectorEnv([functools.partial(gym.make, env_id) for _ in range(num_envs)])
     except (ImportError, gym.error.DependencyNotInstalled) as e:
         raise UserError(f"env_id: {env_id} needs a package that is not installed ({e})") from None
     space = envs.single_action_space

@@ -1,0 +1,68 @@
+"""Rollout collection: next-step autoreset is masked, truncation keeps the final observation."""
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from ppoforge.control.agent import ActorCritic, NumpyPolicy
+from ppoforge.control.rollout import EnvRunner
+
+
+def _runner(max_steps=10, **kw):
+    envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="vector_entry_point",
+                        max_episode_steps=max_steps)
+    defaults = dict(seed=0, gamma=0.99, normalize_obs=False, normalize_reward=False, clip_obs=10.0, clip_reward=10.0)
+    return EnvRunner(envs, **{**defaults, **kw})
+
+
+class ConstantPolicy:
+    """Pushes left forever with a fixed value; CartPole truncates at max_steps before falling (10 steps)."""
+
+    def act(self, obs):
+        n = obs.shape[0]
+        return np.zeros(n, np.int64), np.zeros(n, np.float32), np.zeros(n, np.float32)
+
+    def value(self, obs):
+        return np.zeros(obs.shape[0], np.float32)
+
+
+def test_truncation_keeps_final_obs_and_masks_the_reset_step():
+    runner = _runner(max_steps=5)
+    ro = runner.collect(ConstantPolicy(), num_steps=12)
+    # Steps 0..4 are one episode; step 4 truncates (time limit), step 5 is the autoreset step.
+    assert ro.ended[4].all() and not ro.terminated[4].any()
+    assert not ro.valid[5].any() and ro.valid[:5].all() and ro.valid[6:11].all()
+    assert (ro.rewards[5] == 0).all()
+    # obs[5] is the real final observation of the episode (it continues the trajectory), not a reset state:
+    # pushing left keeps decreasing the cart velocity, so x_dot at step 5 is below x_dot at step 4.
+    assert (ro.obs[5, :, 1] < ro.obs[4, :, 1]).all()
+    assert (np.abs(ro.obs[6, :, 1]) < 0.05).all()  # and the step after starts from a fresh reset
+    assert [length for _, length in runner.new_episodes] == [5, 5, 5, 5]
+
+
+def test_termination_is_not_a_truncation():
+    runner = _runner(max_steps=500)
+    ro = runner.collect(ConstantPolicy(), num_steps=30)  # the pole falls after ~10 steps
+    assert ro.terminated.any()
+    np.testing.assert_array_equal(ro.terminated, ro.ended)
+
+
+def test_normalizers_update_and_clip():
+    runner = _runner(max_steps=500, normalize_obs=True, normalize_reward=True, clip_obs=0.5, clip_reward=10.0)
+    agent = ActorCritic(4, 2, continuous=False)
+    ro = runner.collect(NumpyPolicy(agent, np.random.default_rng(0)), num_steps=50)
+    assert np.abs(ro.obs).max() <= 0.5
+    assert runner.obs_rms.count > 50 and runner.ret_rms.count > 50
+    assert not np.allclose(ro.rewards[ro.valid], 1.0)  # scaled by the return std
+
+
+def test_state_dict_roundtrip_continues_identically():
+    torch.manual_seed(0)
+    agent = ActorCritic(4, 2, continuous=False)
+    a, b = _runner(max_steps=20, normalize_obs=True), _runner(max_steps=20, normalize_obs=True)
+    a.collect(NumpyPolicy(agent, np.random.default_rng(0)), 17)
+    b.load_state_dict(a.state_dict())
+    ro_a = a.collect(NumpyPolicy(agent, np.random.default_rng(5)), 23)
+    ro_b = b.collect(NumpyPolicy(agent, np.random.default_rng(5)), 23)
+    np.testing.assert_array_equal(ro_a.obs, ro_b.obs)
+    np.testing.assert_array_equal(ro_a.rewards, ro_b.rewards)

@@ -1,0 +1,47 @@
+"""KL estimators and controllers."""
+
+import math
+
+import pytest
+import torch
+
+from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
+
+
+def test_k1_and_k3_hand_values():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    # k1 = log(0.5 / 0.25) = log 2; k3 with r = ref / p = 0.5: (0.5 - 1) - log 0.5 = -0.5 + log 2
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([math.log(2)]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([-0.5 + math.log(2)]))
+
+
+def test_k3_nonnegative_and_both_unbiased_on_samples():
+    torch.manual_seed(0)
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    exact = (p * (p / q).log()).sum()
+    idx = torch.multinomial(p, 200_000, replacement=True)
+    logp, ref = p.log()[idx], q.log()[idx]
+    k1, k3 = kl_penalty(logp, ref, "k1"), kl_penalty(logp, ref, "k3")
+    assert (k3 >= 0).all()
+    torch.testing.assert_close(k1.mean(), exact, atol=5e-3, rtol=0)
+    torch.testing.assert_close(k3.mean(), exact, atol=5e-3, rtol=0)
+
+
+def test_unknown_estimator_raises():
+    with pytest.raises(ValueError, match="k1"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k2")
+
+
+def test_adaptive_controller_moves_toward_target_and_clips():
+    ctl = AdaptiveKLController(beta=0.1, target=6.0, horizon=10_000)
+    ctl.update(current_kl=12.0, n_steps=1000)  # error clipped to +0.2: beta *= 1 + 0.2 * 0.1
+    assert ctl.value == pytest.approx(0.1 * 1.02)
+    ctl.update(current_kl=3.0, n_steps=1000)  # error -0.5 clipped to -0.2
+    assert ctl.value == pytest.approx(0.1 * 1.02 * 0.98)
+    fixed = FixedKLController(0.05)
+    fixed.update(100.0, 1000)
+    assert fixed.value == 0.05
+    restored = AdaptiveKLController(1.0, 6.0, 10_000)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.value == ctl.value

@@ -1,0 +1,58 @@
+"""The CLI: help lists every field, bad input is one line + exit 2, train/eval/resume work end to end."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ppoforge.cli import main
+
+FAST = ["--num-envs", "2", "--num-steps", "16", "--total-steps", "64", "--progress", "false",
+        "--tensorboard", "false"]
+
+
+def test_help_shows_every_field_with_doc_and_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "control", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--total-steps INT" in out and "environment steps to train for" in out and "(default: 500000)" in out
+    assert "--target-kl FLOAT" in out and "--precision STR" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "control", "--total-steps", "abc"], "total_steps: 'abc' is not an integer"),
+    (["train", "control", "--gamma", "2"], "gamma: 2.0 is out of range"),
+    (["train", "control", "--env-id", "CartPol-v1"], "did you mean CartPole-v1"),
+    (["train", "control", "--preset", "nope"], "no built-in preset 'nope'"),
+    (["train", "control", "--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    (["train", "control", "--precision", "fp16", "--device", "cpu"], "fp16 needs a CUDA device"),
+    (["eval", "/nonexistent/run"], "no config.yaml in run dir"),
+    (["train", "control", "--resume", "/nonexistent/run"], "no config.yaml in run dir"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys, tmp_path):
+    code = main([*argv, "--runs-root", str(tmp_path)] if argv[:2] == ["train", "control"] else argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("ppoforge: error: ") and message in err, err
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_real_entry_point_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "ppoforge", "train", "control", "--num-envs", "zero"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "ppoforge: error: num_envs: 'zero' is not an integer"
+
+
+def test_train_resume_and_eval_from_the_cli(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "control", "--preset", "cartpole", *FAST, "--run-dir", str(run)]) == 0
+    assert "done: 64 steps" in capsys.readouterr().out
+    # resume with a longer budget continues from the checkpoint
+    assert main(["train", "control", "--resume", str(run), "--total-steps", "128"]) == 0
+    assert "done: 128 steps" in capsys.readouterr().out
+    assert "total_steps: 128" in (run / "config.yaml").read_text()
+    assert main(["eval", str(run), "--episodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "deterministic:" in out and "sampled:" in out and "over 2 episodes" in out
