@@ -1,0 +1,258 @@
+"""Reward functions: one plain signature, a few built-ins, reward models, and validation.
+
+A reward function is any callable
+
+    fn(prompts: list[str], completions: list[str], **row_fields) -> list[float]
+
+`prompts` are the raw prompt texts (the prompt field, before any chat template), `completions` the
+decoded completions without special tokens. The trainer always passes `finished: list[bool]` (True
+when the completion ended with a stop token rather than hitting the length limit) plus every other
+column of the prompt rows as a list, so a function takes `**kwargs` to ignore what it does not need.
+
+`score` is the one place a reward's output is checked: a reward that raises, or returns anything but
+one finite number per completion, is a `UserError` naming the reward — exit code 2, no traceback —
+because a NaN reward silently poisons every advantage in the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from ppoforge.errors import UserError
+
+RewardFn = Callable[..., list[float]]
+ALLOWED_SPECS = ("vader, length:N, format:REGEX, eos_penalty:X, model:PATH, "
+                 "py:module.path:function or py:/path/file.py:function")
+_POSITIONAL = ("prompts", "completions", "finished")
+
+
+# ---- built-in rewards -------------------------------------------------------------------------------
+
+@functools.cache
+def _vader():
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    return SentimentIntensityAnalyzer()
+
+
+def vader_sentiment(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """VADER compound sentiment of each completion, in [-1, 1] (0 for text without sentiment)."""
+    return [_vader().polarity_scores(c)["compound"] for c in completions]
+
+
+def length_reward(target: int) -> RewardFn:
+    """-|words - target| / target: 0 at exactly `target` whitespace-separated words, -1 at 0 or 2x."""
+    if target < 1:
+        raise UserError(f"reward length:{target}: target out of range; allowed: an integer >= 1")
+
+    def length(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        return [-abs(len(c.split()) - target) / target for c in completions]
+
+    return length
+
+
+def format_reward(pattern: str) -> RewardFn:
+    """1.0 when `re.search(pattern, completion)` finds a match, else 0.0 (anchor with ^ and $)."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise UserError(f"reward format:{pattern}: invalid regular expression ({e})") from None
+
+    def format_match(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        return [1.0 if regex.search(c) else 0.0 for c in completions]
+
+    return format_match
+
+
+def missing_eos_penalty(penalty: float) -> RewardFn:
+    """-penalty for completions cut off by the length limit (finished False), 0 for the rest."""
+
+    def eos_penalty(prompts: list[str], completions: list[str], finished: list[bool],
+                    **kwargs) -> list[float]:
+        return [0.0 if done else -penalty for done in finished]
+
+    return eos_penalty
+
+
+class RewardModelScorer:
+    """A scalar reward model (`AutoModelForSequenceClassification`, 1 label) as a reward function.
+
+    Each (prompt, completion) is rendered as a user/assistant conversation with the reward model's
+    own chat template when it has one, else concatenated, then scored in left-padded batches so the
+    last position is the last real token.
+    """
+
+    def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
+                 batch_size: int = 8):
+        from ppoforge.lm.models import load_reward_model, load_tokenizer
+
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(name_or_path)
+        self.model = load_reward_model(name_or_path, dtype=dtype, device=device, tokenizer=self.tokenizer)
+        self.device = device
+        self.batch_size = batch_size
+
+    def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
+        if not self.tokenizer.chat_template:
+            return [p + c for p, c in zip(prompts, completions, strict=True)]
+        return [self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+                for p, c in zip(prompts, completions, strict=True)]
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+        texts = self.texts(prompts, completions)
+        scores = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+                                   add_special_tokens=not self.tokenizer.chat_template).to(self.device)
+            scores += self.model(**batch).logits[:, 0].float().tolist()  # (b,)
+        return scores
+
+
+class WeightedSum:
+    """sum_i weight_i * reward_i, each term checked by `score` so errors name the failing term."""
+
+    def __init__(self, terms: Sequence[tuple[str, RewardFn, float]]):
+        names = [name for name, _, _ in terms]
+        if not names:
+            raise UserError(f"reward: no reward terms; allowed: one or more of {ALLOWED_SPECS}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise UserError(f"reward: {twice[0]} appears more than once; allowed: each reward once "
+                            "(scale it with its weight)")
+        self.terms = list(terms)
+
+    def term_values(self, prompts: list[str], completions: list[str], **row_fields) -> dict[str, list[float]]:
+        """Each term's unweighted rewards, by name (for per-term metrics)."""
+        return {name: _checked(fn, name, prompts, completions, row_fields) for name, fn, _ in self.terms}
+
+    def __call__(self, prompts: list[str], completions: list[str], **row_fields) -> list[float]:
+        values = self.term_values(prompts, completions, **row_fields)
+        total = [0.0] * len(completions)
+        for (_, _, weight), term in zip(self.terms, values.values(), strict=True):
+            total = [t + weight * v for t, v in zip(total, term, strict=True)]
+        return total
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _checked(fn: RewardFn, name: str, prompts: list[str], completions: list[str],
+             kwargs: dict) -> list[float]:
+    """Call `fn` and return its rewards as floats, or raise a one-line UserError naming `name`."""
+    try:
+        out = fn(prompts, completions, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - user code: any exception is the user's to fix
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"reward {name} raised {type(e).__name__}: {msg}") from None
+    allowed = f"allowed: a list of {len(completions)} finite numbers, one per completion"
+    if not isinstance(out, (list, tuple)):
+        raise UserError(f"reward {name} returned {_describe(out)}; {allowed}")
+    if len(out) != len(completions):
+        raise UserError(f"reward {name} returned {len(out)} values for {len(completions)} completions; "
+                        f"{allowed}")
+    for i, v in enumerate(out):
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise UserError(f"reward {name} returned {_describe(v)} at index {i}; {allowed}")
+    return [float(v) for v in out]
+
+
+def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], finished: list[bool],
+          rows: list[dict]) -> torch.Tensor:
+    """Validated rewards, float32 of shape (B,); `rows` are the prompt rows, passed on as columns."""
+    columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {}) if k not in _POSITIONAL}
+    values = _checked(fn, name, prompts, completions, {**columns, "finished": list(finished)})
+    return torch.tensor(values, dtype=torch.float32)  # (B,)
+
+
+# ---- specs -------------------------------------------------------------------------------------------
+
+def _load_python(spec: str) -> RewardFn:
+    """`module.path:function` or `/path/file.py:function` (a module is looked up from the cwd too)."""
+    target, sep, func = spec.rpartition(":")
+    if not sep or not target or not func:
+        raise UserError(f"reward py:{spec}: expected py:module.path:function or py:/path/file.py:function")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).expanduser()
+            if not path.is_file():
+                raise UserError(f"reward py:{spec}: no file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"ppoforge_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path:
+                sys.path.insert(0, "")  # like `python -m`: modules in the current directory are importable
+            module = importlib.import_module(target)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - import of user code
+        raise UserError(f"reward py:{spec}: importing {target} raised {type(e).__name__}: {e}") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise UserError(f"reward py:{spec}: {target} has no function {func!r}")
+    return fn
+
+
+def _number(item: str, text: str, kind: type):
+    """`text` as an int or a finite float, or a UserError naming `item`."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        what = "an integer" if kind is int else "a finite number"
+        raise UserError(f"reward {item}: {text!r} is not {what}")
+    return value
+
+
+def _build_one(item: str, device) -> RewardFn:
+    kind, _, arg = item.partition(":")
+    if item == "vader":
+        return vader_sentiment
+    if kind == "length" and arg:
+        return length_reward(_number(item, arg, int))
+    if kind == "format" and arg:
+        return format_reward(arg)
+    if kind == "eos_penalty" and arg:
+        return missing_eos_penalty(_number(item, arg, float))
+    if kind == "model" and arg:
+        return RewardModelScorer(arg, device=device)
+    if kind == "py" and arg:
+        return _load_python(arg)
+    raise UserError(f"reward: unknown item {item!r}; allowed: {ALLOWED_SPECS} (comma-separated)")
+
+
+def split_spec(spec: str) -> list[str]:
+    """Split on commas that start a new item, so `format:a{1,3}` keeps its comma."""
+    parts = re.split(r",\s*(?=vader\s*(?:,|$)|(?:length|format|eos_penalty|model|py):)", spec.strip())
+    return [p.strip() for p in parts]
+
+
+def build_reward(spec: str, weights: str | None = None, device="cpu") -> WeightedSum:
+    """The reward described by `spec` (e.g. "vader,eos_penalty:1") with optional weights ("1,0.5")."""
+    items = split_spec(spec)
+    if weights is None:
+        ws = [1.0] * len(items)
+    else:
+        ws = [_number("weights", w.strip(), float) for w in weights.split(",")]
+        if len(ws) != len(items):
+            raise UserError(f"reward weights: {len(ws)} weights for {len(items)} rewards "
+                            f"({', '.join(items)}); allowed: one weight per reward, comma-separated")
+    return WeightedSum([(item, _build_one(item, device), w) for item, w in zip(items, ws, strict=True)])
