@@ -46,7 +46,7 @@ class GpuFacts:
 
 def read_driver_version(path: str = "/proc/driver/nvidia/version") -> str | None:
     try:
-        match = re.search(r"Kernel Module\s+(\d[\d.]*)", Path(path).read_text())
+        match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", Path(path).read_text())
     except OSError:
         return None
     return match.group(1) if match else None

@@ -169,6 +169,8 @@ def render_text(report: Report, width: int | None = None) -> str:
     for v in report.verdicts:
         mark = "*" if v.required else " "
         answer = "yes" if v.holds else "NO "
-        out.append(f"{mark} {v.label + ' ':.<{label_w}} {answer}  {v.reason}")
+        reason = _wrap(v.reason, width, label_w + 8)
+        out.append(f"{mark} {v.label + ' ':.<{label_w}} {answer}  {reason[0]}")
+        out.extend(reason[1:])
     out.append(f"exit code {report.exit_code}")
     return "\n".join(out)

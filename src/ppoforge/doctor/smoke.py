@@ -57,12 +57,33 @@ def train_steps(model, optimizer, precision: Precision, loss_fn, max_steps: int 
     return StepOutcome(loss.item(), changed(model, before), dtype, step)
 
 
+class PlainSGD:
+    """`p -= lr * grad` with the optimizer surface GradScaler uses (param_groups, step, zero_grad).
+
+    torch.optim's first optimizer pays a ~2 s import of torch._dynamo; the precision checks run in
+    --quick, and what they test is autocast and the scaler, not the optimizer (the smoke runs use Adam).
+    """
+
+    def __init__(self, params, lr: float):
+        self.param_groups = [{"params": list(params), "lr": lr}]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.param_groups[0]["params"]:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+
 def precision_step(name: str, device: torch.device) -> StepOutcome:
     """A small MLP regression step under `name` autocast (fp16 with GradScaler) via make_precision."""
     precision = make_precision(name, device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = PlainSGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 16, device=device), torch.randn(32, 1, device=device)
 
     def loss_fn(m):

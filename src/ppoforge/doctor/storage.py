@@ -179,13 +179,21 @@ def check_hf_cache(f: DirFacts, explicit: bool, env: dict[str, str]) -> CheckRes
 
 
 # ---- checkpoint round trip ------------------------------------------------------------------------
+def _adam_state(model: torch.nn.Module) -> dict:
+    """The layout of `Adam.state_dict()` after one step, built by hand: constructing a torch.optim
+    optimizer first imports torch._dynamo (~2 s), too slow for --quick. The smoke run saves a real one."""
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+             for i, p in enumerate(model.parameters())}
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 0, "amsgrad": False,
+             "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": True,
+             "decoupled_weight_decay": False, "params": list(state)}
+    return {"state": state, "param_groups": [group]}
+
+
 def _sample_state() -> dict:
     """What a trainer saves: weights, Adam state, RNG states, a numpy Generator state, config, scaler."""
     model = torch.nn.Linear(4, 2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    return {"agent": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
+    return {"agent": model.state_dict(), "optimizer": _adam_state(model), "rng": rng_state(),
             "policy_rng": np.random.default_rng(0).bit_generator.state, "precision": {},
             "update": 3, "config": {"env_id": "CartPole-v1", "target_kl": None, "lr": 2.5e-4}}
 

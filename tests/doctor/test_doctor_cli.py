@@ -1,0 +1,68 @@
+"""`ppoforge doctor` end to end: the quick run, --json, --require, exit codes, a crashing check."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppoforge.cli import main
+from ppoforge.doctor import runner
+from ppoforge.doctor.report import CAPABILITY_KEYS
+from ppoforge.doctor.runner import Options, parse_require, run_doctor
+
+
+def _quick_json(capsys, *extra):
+    code = main(["doctor", "--quick", "--json", *extra])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_quick_json(capsys, tmp_path):
+    code, data = _quick_json(capsys, "--runs-root", str(tmp_path / "runs"))
+    names = [c["name"] for c in data["checks"]]
+    for name in ("python_torch", "torch_wheel", "gpu_visibility", "bf16_step", "libraries_lm", "runs_dir",
+                 "checkpoint_roundtrip", "shm", "root", "jupyter", "control_smoke", "lm_smoke"):
+        assert name in names
+    statuses = {c["name"]: c["status"] for c in data["checks"]}
+    assert statuses["control_smoke"] == statuses["allreduce"] == "skip"
+    assert all(c["fix"] for c in data["checks"] if c["status"] in ("warn", "fail"))
+    required = [v for v in data["verdicts"] if v["required"]]
+    assert [v["key"] for v in required] == ["control", "rlhf", "checkpoints"]
+    assert code == data["exit_code"] == (0 if all(v["holds"] for v in required) else 1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="multi-GPU holds on this machine")
+def test_require_decides_the_exit_code(capsys):
+    code, data = _quick_json(capsys, "--require", "multigpu")
+    assert code == 1 and data["required"] == ["multigpu"]
+    code, _ = _quick_json(capsys, "--require", "none")
+    assert code == 0
+
+
+def test_parse_require():
+    assert parse_require("control, rlhf") == ("control", "rlhf")
+    assert parse_require("all") == CAPABILITY_KEYS and parse_require("none") == ()
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    assert main(["doctor", "--require", "gpu"]) == 2
+    assert "unknown capability 'gpu'" in capsys.readouterr().err
+    assert main(["doctor", "--device", "tpu"]) == 2
+
+
+def test_a_crashing_check_becomes_a_fail_row(monkeypatch):
+    def crash(*args, **kwargs):
+        raise KeyError("boom")
+    monkeypatch.setattr(runner.security, "check_root", crash)
+    report = run_doctor(Options(quick=True))
+    row = next(r for r in report.results if r.name == "root")
+    assert row.status == "fail" and "crashed: KeyError" in row.evidence and "ppoforge bug" in row.fix
+
+
+def test_console_script_quick_table(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ppoforge", "doctor", "--quick", "--runs-root",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode in (0, 1), out.stderr
+    assert out.stdout.startswith("ppoforge doctor (quick)") and "verdicts" in out.stdout
+    assert out.stdout.rstrip().endswith(f"exit code {out.returncode}")

@@ -1,0 +1,69 @@
+"""Backends, the 2-process all-reduce (real, hung, crashed), /dev/shm and memlock."""
+
+import resource
+
+import pytest
+
+from ppoforge.doctor.distributed import (
+    DistFacts,
+    check_allreduce,
+    check_dist_backends,
+    check_memlock,
+    check_shm,
+    shm_bytes,
+)
+
+MIB, GIB = 2**20, 2**30
+
+
+def test_backends():
+    assert check_dist_backends(DistFacts(True, False, None, 0)).status == "ok"
+    r = check_dist_backends(DistFacts(True, False, None, 2))
+    assert r.status == "fail" and "no NCCL" in r.evidence
+    assert check_dist_backends(DistFacts(False, False, None, 0)).status == "fail"
+    assert "NCCL 2.21.5" in check_dist_backends(DistFacts(True, True, "2.21.5", 2)).evidence
+
+
+def test_allreduce_hang_becomes_a_fail_with_the_nccl_fixes():
+    r = check_allreduce(gpus=2, nccl=True, timeout=1.5, code="import time; time.sleep(60)")
+    assert r.status == "fail" and "nccl all-reduce: hung" in r.evidence and "killed" in r.evidence
+    for fix in ("NCCL_P2P_DISABLE=1", "NCCL_SOCKET_IFNAME", "--ipc=host"):
+        assert fix in r.fix
+
+
+def test_allreduce_hang_on_gloo_gives_the_gloo_fixes():
+    r = check_allreduce(gpus=0, nccl=False, timeout=1.0, code="import time; time.sleep(60)")
+    assert r.status == "fail" and "gloo" in r.evidence and "GLOO_SOCKET_IFNAME" in r.fix
+
+
+def test_allreduce_rank_crash_is_reported():
+    code = "import sys; sys.stderr.write('RuntimeError: connection refused\\n'); sys.exit(3)"
+    r = check_allreduce(gpus=0, nccl=False, timeout=20, code=code)
+    assert r.status == "fail" and "exit codes [3, 3]" in r.evidence and "connection refused" in r.evidence
+
+
+@pytest.mark.slow
+def test_real_gloo_allreduce():
+    r = check_allreduce(gpus=0, nccl=False, timeout=60)
+    assert r.status == "ok", r.evidence
+    assert "both ranks got 12.0" in r.evidence
+
+
+def test_small_shm_in_a_container_warns():
+    r = check_shm(64 * MIB, container=True)
+    assert r.status == "warn" and "0.06 GiB" in r.evidence and "--ipc=host" in r.fix and "--shm-size" in r.fix
+    assert "remount" in check_shm(64 * MIB, container=False).fix
+    assert check_shm(8 * GIB, container=True).status == "ok"
+    assert check_shm(None, container=True).status == "warn"
+
+
+def test_shm_bytes_reads_a_filesystem(tmp_path):
+    assert shm_bytes(str(tmp_path)) > 0
+    assert shm_bytes(str(tmp_path / "missing")) is None
+
+
+def test_memlock():
+    assert check_memlock(resource.RLIM_INFINITY, gpus=8).status == "ok"
+    r = check_memlock(64 * 1024, gpus=8)
+    assert r.status == "warn" and "64 KiB" in r.evidence and "--ulimit memlock=-1" in r.fix
+    assert check_memlock(64 * 1024, gpus=0).status == "ok"

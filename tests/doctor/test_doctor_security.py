@@ -1,0 +1,74 @@
+"""Root and Jupyter: runtime files of running servers, config files, and what counts as open."""
+
+import json
+import os
+
+from ppoforge.doctor.security import (
+    check_jupyter,
+    check_root,
+    parse_config_py,
+    read_configs,
+    read_servers,
+    runtime_dirs,
+)
+
+DEAD_PID = 4_194_999  # above the default pid_max: no such process
+
+
+def test_root_warns():
+    r = check_root(0)
+    assert r.status == "warn" and "--user" in r.fix
+    assert check_root(1000).status == "ok"
+
+
+def _server(runtime, name, **info):
+    runtime.mkdir(parents=True, exist_ok=True)
+    (runtime / name).write_text(json.dumps({"pid": os.getpid(), "port": 8888, **info}))
+
+
+def test_unauthenticated_running_jupyter_on_all_interfaces_fails(tmp_path):
+    _server(tmp_path, "jpserver-1.json", hostname="0.0.0.0", token="", password=False)
+    r = check_jupyter(read_servers([tmp_path]), [], "jupyter_server 2.14.2")
+    assert r.status == "fail" and "every interface, NO token and NO password" in r.evidence
+    assert "anyone who reaches the port" in r.evidence and "127.0.0.1" in r.fix and "password" in r.fix
+
+
+def test_token_protected_server_is_ok_and_dead_servers_are_ignored(tmp_path):
+    _server(tmp_path, "jpserver-1.json", hostname="localhost", token="abc123", password=False)
+    _server(tmp_path, "nbserver-2.json", hostname="0.0.0.0", token="", password=False, pid=DEAD_PID)
+    servers = read_servers([tmp_path])
+    assert len(servers) == 1
+    r = check_jupyter(servers, [], "jupyter_server 2.14.2")
+    assert r.status == "ok" and "localhost, token" in r.evidence
+
+
+def test_config_py_with_empty_token_fails(tmp_path):
+    (tmp_path / "jupyter_server_config.py").write_text(
+        "# c.ServerApp.token = 'commented-out'\nc.ServerApp.token = ''\nc.ServerApp.ip = '0.0.0.0'\n")
+    configured = read_configs(tmp_path, env={})
+    r = check_jupyter([], configured, None)
+    assert r.status == "fail" and "jupyter_server_config.py" in r.evidence
+
+
+def test_config_with_a_password_is_ok(tmp_path):
+    (tmp_path / "jupyter_notebook_config.json").write_text(json.dumps(
+        {"NotebookApp": {"token": "", "password": "argon2:$argon2id$v=19$..."}}))
+    assert check_jupyter([], read_configs(tmp_path, env={}), None).status == "ok"
+    (tmp_path / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {"token": "", "ip": "::"}}))
+    assert check_jupyter([], read_configs(tmp_path, env={}), None).status == "fail"
+
+
+def test_parse_config_py_reads_identity_provider_and_hashed_password():
+    text = "c.IdentityProvider.token = \"\"\nc.PasswordIdentityProvider.hashed_password = 'x'\n"
+    found = parse_config_py(text)
+    assert found == {"token": "", "password": "x"}
+
+
+def test_no_jupyter_is_a_skip():
+    r = check_jupyter([], [], None)
+    assert r.status == "skip" and "pip install jupyterlab" in r.evidence
+
+
+def test_runtime_dirs_follow_the_env(tmp_path):
+    dirs = runtime_dirs({"JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}, tmp_path)
+    assert dirs[0] == tmp_path / "rt" and tmp_path / ".local" / "share" / "jupyter" / "runtime" in dirs

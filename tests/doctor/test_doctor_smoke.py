@@ -1,0 +1,89 @@
+"""Precision steps, the control PPO smoke run and the LM smoke step: real runs on CPU, and failures."""
+
+import math
+
+import pytest
+import torch
+
+from ppoforge.doctor.smoke import StepOutcome, check_control_smoke, check_lm_smoke, check_precision_step
+
+GOOD = StepOutcome(loss=0.5, changed=True, compute_dtype="bfloat16", steps=1)
+
+
+def test_bf16_step_on_cpu_really_runs():
+    r = check_precision_step("bf16", "cpu")
+    assert r.status == "ok" and "compute dtype bfloat16" in r.evidence and "params changed" in r.evidence
+
+
+def test_fp16_on_cpu_is_a_skip():
+    r = check_precision_step("fp16", "cpu")
+    assert r.status == "skip" and "needs CUDA" in r.evidence
+
+
+@pytest.mark.parametrize("outcome, words", [
+    (StepOutcome(math.nan, True, "bfloat16", 3), "loss nan"),
+    (StepOutcome(0.5, False, "bfloat16", 3), "params UNCHANGED"),
+    (StepOutcome(0.5, True, "float32", 1), "expected bfloat16"),
+])
+def test_a_failing_precision_step(outcome, words):
+    r = check_precision_step("bf16", "cpu", step=lambda name, device: outcome)
+    assert r.status == "fail" and words in r.evidence and r.fix == "--precision fp32"
+
+
+def test_a_precision_step_that_raises():
+    def broken(name, device):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+    r = check_precision_step("bf16", "cpu", step=broken)
+    assert r.status == "fail" and "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" in r.evidence
+
+
+def test_bf16_step_on_a_pre_ampere_gpu_warns():
+    r = check_precision_step("bf16", "cpu", capability=(7, 5), step=lambda name, device: GOOD)
+    assert r.status == "warn" and "emulated" in r.evidence and "fp16" in r.fix
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_requested_on_a_cpu_machine_fails():
+    assert check_precision_step("bf16", "cuda").status == "fail"
+    assert check_lm_smoke("cuda", "fp32").status == "fail"
+
+
+def test_control_smoke_failure_gives_the_command_to_reproduce(tmp_path):
+    def broken(device, precision, run_dir):
+        raise ValueError("expected parameter loc to be finite")
+    r = check_control_smoke("cpu", "bf16", tmp_path, run=broken)
+    assert r.status == "fail" and "ValueError" in r.evidence
+    assert "ppoforge train control" in r.fix and "--precision bf16" in r.fix
+
+
+def test_control_smoke_refused_config(tmp_path):
+    r = check_control_smoke("cpu", "fp16", tmp_path)  # fp16 needs CUDA: make_precision refuses
+    assert r.status == "fail" and "fp16 needs a CUDA device" in r.evidence
+
+
+@pytest.mark.slow
+def test_control_smoke_runs_trains_and_resumes(tmp_path):
+    threads = torch.get_num_threads()
+    r = check_control_smoke("cpu", "fp32", tmp_path)
+    assert r.status == "ok", r.evidence
+    assert "2 updates" in r.evidence and "ran to update 3" in r.evidence
+    assert torch.get_num_threads() == threads
+
+
+def test_lm_smoke_without_transformers_names_the_extra():
+    def missing(device, precision):
+        raise ImportError("No module named 'transformers'")
+    r = check_lm_smoke("cpu", "fp32", step=missing)
+    assert r.status == "fail" and "ppoforge[lm]" in r.fix
+
+
+def test_lm_smoke_non_finite_loss_fails():
+    r = check_lm_smoke("cpu", "bf16", step=lambda d, p: StepOutcome(math.inf, True, "bfloat16", 3))
+    assert r.status == "fail"
+
+
+@pytest.mark.slow
+def test_lm_smoke_tiny_qwen2_step_on_cpu():
+    r = check_lm_smoke("cpu", "bf16")
+    assert r.status == "ok", r.evidence
+    assert "logits bfloat16, fp32 log-probs" in r.evidence and "params changed" in r.evidence
