@@ -66,3 +66,39 @@ def test_state_dict_roundtrip_continues_identically():
     ro_b = b.collect(NumpyPolicy(agent, np.random.default_rng(5)), 23)
     np.testing.assert_array_equal(ro_a.obs, ro_b.obs)
     np.testing.assert_array_equal(ro_a.rewards, ro_b.rewards)
+
+
+class CounterEnv(gym.Env, gym.utils.EzPickle):
+    """Like MuJoCo envs, pickles only its constructor arguments: its state is lost on restore."""
+
+    observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        gym.utils.EzPickle.__init__(self)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t], np.float32), 1.0, False, self.t >= 50, {}
+
+
+def test_ezpickle_envs_restart_episodes_on_restore():
+    import functools
+
+    envs = gym.vector.SyncVectorEnv([functools.partial(CounterEnv) for _ in range(2)])
+    runner = EnvRunner(envs, seed=0, gamma=0.99, normalize_obs=False, normalize_reward=False,
+                       clip_obs=10.0, clip_reward=10.0)
+    runner.collect(ConstantPolicy(), num_steps=7)
+    assert runner.obs[0, 0] == 7
+    fresh = EnvRunner(gym.vector.SyncVectorEnv([functools.partial(CounterEnv) for _ in range(2)]), seed=0,
+                      gamma=0.99, normalize_obs=False, normalize_reward=False, clip_obs=10.0, clip_reward=10.0)
+    fresh.load_state_dict(runner.state_dict())
+    assert fresh.obs[0, 0] == 0 and not fresh.reset_pending.any()  # a new episode, consistently reset
+    ro = fresh.collect(ConstantPolicy(), num_steps=3)
+    assert ro.valid.all() and ro.obs[:, 0, 0].tolist() == [0.0, 1.0, 2.0]

@@ -135,12 +135,12 @@ class NumpyPolicy:
             noise = self.rng.standard_normal(out.shape, dtype=np.float32)
             action = out + np.exp(self.log_std) * noise
             logp = (-0.5 * noise**2 - self.log_std - 0.5 * LOG_2PI).sum(-1)
-        else:
-            shifted = out - out.max(-1, keepdims=True)
-            logp_all = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-            u = self.rng.random((out.shape[0], 1), dtype=np.float32)
-            action = np.minimum((np.exp(logp_all).cumsum(-1) < u).sum(-1), out.shape[-1] - 1)
-            logp = logp_all[np.arange(out.shape[0]), action]
+        else:  # inverse-CDF sampling on unnormalized probabilities: fewest numpy calls per step
+            e = np.exp(out - out.max(-1, keepdims=True))
+            total = e.sum(-1)
+            u = self.rng.random(out.shape[0], dtype=np.float32) * total
+            action = np.minimum((e.cumsum(-1) < u[:, None]).sum(-1), out.shape[-1] - 1)
+            logp = np.log(e[np.arange(out.shape[0]), action] / total)
         return action, logp.astype(np.float32, copy=False), value
 
 

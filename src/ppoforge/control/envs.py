@@ -47,6 +47,14 @@ def make_vector_env(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
     return envs
 
 
+def snapshots_exactly(envs: gym.vector.VectorEnv) -> bool:
+    """True when pickling the vector env captures the simulator state (classic control, native vector
+    envs). EzPickle envs (MuJoCo, Box2D) pickle their constructor arguments only: a restored copy must
+    be reset, so a resumed run restarts its in-flight episodes."""
+    subs = envs.envs if isinstance(envs, gym.vector.SyncVectorEnv) else []
+    return not any(isinstance(env.unwrapped, gym.utils.EzPickle) for env in subs)
+
+
 def action_bounds(envs: gym.vector.VectorEnv) -> tuple[np.ndarray, np.ndarray] | None:
     """(low, high) of a Box action space, for clipping what is sent to the env; None for Discrete."""
     space = envs.single_action_space

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ppoforge.control.agent import Policy
-from ppoforge.control.envs import action_bounds
+from ppoforge.control.envs import action_bounds, snapshots_exactly
 from ppoforge.core.stats import RunningMeanStd
 
 
@@ -123,13 +123,18 @@ class EnvRunner:
     def load_state_dict(self, state: dict) -> None:
         self.envs.close()
         self.envs = pickle.loads(state["envs"].numpy().tobytes())  # our own checkpoint, written by us
-        self.obs = state["obs"].numpy().copy()
-        self.reset_pending = state["reset_pending"].numpy().copy()
-        self.return_acc = state["return_acc"].numpy().copy()
-        self.ep_return = state["ep_return"].numpy().copy()
-        self.ep_length = state["ep_length"].numpy().copy()
         self.finished = deque((tuple(x) for x in state["finished"]), maxlen=100)
         if self.obs_rms:
             self.obs_rms.load_state_dict(state["obs_rms"])
         if self.ret_rms:
             self.ret_rms.load_state_dict(state["ret_rms"])
+        if not snapshots_exactly(self.envs):
+            # The simulator state was not in the pickle: start fresh episodes (seeded by the step count).
+            seed = int(state["ep_length"].sum()) + len(self.finished)
+            self.obs = self._normalize_obs(self.envs.reset(seed=seed)[0])
+            return
+        self.obs = state["obs"].numpy().copy()
+        self.reset_pending = state["reset_pending"].numpy().copy()
+        self.return_acc = state["return_acc"].numpy().copy()
+        self.ep_return = state["ep_return"].numpy().copy()
+        self.ep_length = state["ep_length"].numpy().copy()
