@@ -1,6 +1,7 @@
 """`ppoforge doctor` end to end: the quick run, --json, --require, exit codes, a crashing check."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import torch
 
 from ppoforge.cli import main
 from ppoforge.doctor import runner
+from ppoforge.doctor.gpu import GpuFacts
 from ppoforge.doctor.report import CAPABILITY_KEYS
 from ppoforge.doctor.runner import Options, parse_require, run_doctor
 
@@ -66,3 +68,26 @@ def test_console_script_quick_table(tmp_path):
     assert out.returncode in (0, 1), out.stderr
     assert out.stdout.startswith("ppoforge doctor (quick)") and "verdicts" in out.stdout
     assert out.stdout.rstrip().endswith(f"exit code {out.returncode}")
+
+
+def test_cpu_wheel_on_a_gpu_box_end_to_end(monkeypatch):
+    facts = GpuFacts(None, None, ["/dev/nvidia0"], "/usr/bin/nvidia-smi", "550.54.15", "12.4", None, 0, None)
+    monkeypatch.setattr(runner.gpu, "gather_gpu", lambda: facts)
+    report = run_doctor(Options(quick=True))
+    rows = {r.name: r for r in report.results}
+    assert rows["gpu_visibility"].status == rows["torch_wheel"].status == "fail"
+    assert "whl/cu124" in rows["torch_wheel"].fix
+    rlhf = next(v for v in report.verdicts if v.key == "rlhf")
+    assert not rlhf.holds and report.exit_code == 1
+
+
+def test_open_jupyter_end_to_end(monkeypatch, tmp_path):
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    (runtime / "jpserver-7.json").write_text(json.dumps({"pid": os.getpid(), "hostname": "0.0.0.0",
+                                                          "token": "", "password": False}))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path / "cfg"))
+    report = run_doctor(Options(quick=True, require=("notebook",)))
+    assert next(r for r in report.results if r.name == "jupyter").status == "fail"
+    assert report.exit_code == 1

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from ppoforge.doctor.smoke import StepOutcome, check_control_smoke, check_lm_smoke, check_precision_step
+from ppoforge.doctor.smoke import (
+    PlainSGD,
+    StepOutcome,
+    check_control_smoke,
+    check_lm_smoke,
+    check_precision_step,
+    train_steps,
+)
+from ppoforge.runtime.precision import Precision
 
 GOOD = StepOutcome(loss=0.5, changed=True, compute_dtype="bfloat16", steps=1)
 
@@ -87,3 +95,18 @@ def test_lm_smoke_tiny_qwen2_step_on_cpu():
     r = check_lm_smoke("cpu", "bf16")
     assert r.status == "ok", r.evidence
     assert "logits bfloat16, fp32 log-probs" in r.evidence and "params changed" in r.evidence
+
+
+def test_plain_sgd_works_under_a_real_grad_scaler():
+    # fp16 + GradScaler needs CUDA in ppoforge; the scaler's unscale/step/update path is the same on CPU
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    precision = Precision("fp16", torch.device("cpu"), torch.amp.GradScaler("cpu"))
+    x = torch.randn(4, 8)
+
+    def loss_fn(m):
+        out = m(x)
+        return {"loss": out.float().pow(2).mean(), "compute": out}
+
+    out = train_steps(model, PlainSGD(model.parameters(), lr=0.1), precision, loss_fn)
+    assert out.changed and out.compute_dtype == "float16" and math.isfinite(out.loss)

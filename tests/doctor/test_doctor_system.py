@@ -7,6 +7,7 @@ import torch
 from ppoforge.doctor.system import (
     CpuFacts,
     TorchFacts,
+    cgroup_cpu_quota,
     check_cpu,
     check_python_torch,
     gather_torch,
@@ -68,3 +69,12 @@ def test_single_core_warns():
 
 def test_matmul_gflops_measures_something():
     assert matmul_gflops(torch.float32, n=64, seconds=0.01) > 0
+
+
+def test_cgroup_quota_limits_the_usable_cpus(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    r = check_cpu(replace(CPU, quota=1.5), "fp32", "cpu")
+    assert r.status == "warn" and "1.5 usable of 8 logical CPUs (cgroup quota 1.5)" in r.evidence

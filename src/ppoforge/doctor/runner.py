@@ -82,7 +82,10 @@ def _selected(opts: Options, facts: gpu.GpuFacts) -> tuple[str, tuple[int, int] 
     if not facts.torch_count:
         return "cuda", None
     index = int(opts.device.split(":")[1]) if ":" in opts.device else 0
-    return "cuda", (torch.cuda.get_device_capability(index) if index < facts.torch_count else None)
+    try:
+        return "cuda", torch.cuda.get_device_capability(index)
+    except Exception:  # noqa: BLE001 - a bad index or a broken GPU: the checks themselves will say so
+        return "cuda", None
 
 
 def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, Callable[[], CheckResult]]]:

@@ -66,6 +66,7 @@ class CpuFacts:
     flags: set[str]
     fp32_gflops: float | None  # measured; None when skipped (--quick)
     bf16_gflops: float | None
+    quota: float | None = None  # CPUs allowed by the cgroup (docker run --cpus), None when unlimited
 
 
 def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
@@ -84,6 +85,21 @@ def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     return model or platform.processor() or "unknown", flags
 
 
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """`docker run --cpus N` as N, from cgroup v2 cpu.max or v1 cfs quota/period; None when unlimited."""
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = Path(root, "cpu", "cpu.cfs_quota_us").read_text().strip()
+            period = Path(root, "cpu", "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
+
+
 def matmul_gflops(dtype: torch.dtype, n: int = 512, seconds: float = 0.15) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up: oneDNN picks its kernel on the first call
@@ -99,13 +115,15 @@ def gather_cpu(measure: bool) -> CpuFacts:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     fp32 = matmul_gflops(torch.float32) if measure else None
     bf16 = matmul_gflops(torch.bfloat16) if measure else None
-    return CpuFacts(cores, os.cpu_count() or cores, model, flags, fp32, bf16)
+    return CpuFacts(cores, os.cpu_count() or cores, model, flags, fp32, bf16, cgroup_cpu_quota())
 
 
 def check_cpu(f: CpuFacts, precision: str, device: str) -> CheckResult:
     name = "cpu"
     fast = sorted(set(BF16_FLAGS) & f.flags)
-    evidence = (f"{f.model}; {f.cores} usable of {f.online} logical CPUs; bf16 fast path: "
+    usable = min(f.cores, f.quota) if f.quota else f.cores
+    quota = f" (cgroup quota {f.quota:g})" if f.quota else ""
+    evidence = (f"{f.model}; {usable:g} usable of {f.online} logical CPUs{quota}; bf16 fast path: "
                 f"{', '.join(fast) if fast else 'none (no amx_bf16 / avx512_bf16 flag)'}")
     if f.fp32_gflops is not None and f.bf16_gflops is not None:
         evidence += (f"; 512x512 matmul fp32 {f.fp32_gflops:.0f} GFLOP/s, bf16 {f.bf16_gflops:.0f} GFLOP/s "
@@ -114,7 +132,7 @@ def check_cpu(f: CpuFacts, precision: str, device: str) -> CheckResult:
     if precision == "bf16" and device == "cpu" and bf16_slow:
         return warn(name, evidence + "; bf16 on this CPU is emulated and slower than fp32",
                     "--precision fp32 on this CPU")
-    if f.cores < 2:
+    if usable < 2:
         return warn(name, evidence + "; one CPU: env stepping and training share it",
                     "give the container more CPUs (docker run --cpus 4)")
     return ok(name, evidence)
