@@ -116,8 +116,8 @@ def why_no_gpu(f: GpuFacts) -> list[tuple[str, str]]:
     """Every reason torch sees no GPU, each with its fix, most basic first."""
     reasons = []
     if not f.hardware:
-        reasons.append(("no /dev/nvidia* device and no nvidia-smi: the container was started without "
-                        "GPUs, or the host has no NVIDIA driver",
+        reasons.append(("no /dev/nvidia* device and no nvidia-smi (a container started without GPUs, or "
+                        "a host without an NVIDIA driver)",
                         "docker run --gpus all ... (needs nvidia-container-toolkit on the host)"))
     if not (f.wheel_cuda or f.wheel_hip):
         reasons.append(("torch is a CPU-only wheel",

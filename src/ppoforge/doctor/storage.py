@@ -173,7 +173,7 @@ def check_hf_cache(f: DirFacts, explicit: bool, env: dict[str, str]) -> CheckRes
         return warn(name, f"{evidence}; {f.error}", "export HF_HOME=<a writable dir>")
     state, where = persistence(f)
     if state != "ok":
-        return warn(name, f"{evidence}; {where}: models are downloaded again in every new container",
+        return warn(name, f"{evidence}; {where}, so models are downloaded again in every new container",
                     f"docker run -v ~/.cache/huggingface:{f.path} ... (or export HF_HOME=<a mounted path>)")
     return ok(name, f"{evidence}; {where}")
 

@@ -101,13 +101,24 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 512, seconds: float = 0.15) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up: oneDNN picks its kernel on the first call
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return count * 2 * n**3 / (time.perf_counter() - start) / 1e9
+    """GFLOP/s of an n x n matmul on one thread, from the fastest of repeated runs.
+
+    One thread and best-of-N: on a busy machine a multi-threaded matmul waits at OpenMP barriers for
+    preempted threads and its rate says more about the neighbours than about the CPU.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up: oneDNN picks its kernel on the first call
+        best, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            tick = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - tick)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n**3 / best / 1e9
 
 
 def gather_cpu(measure: bool) -> CpuFacts:
@@ -126,8 +137,8 @@ def check_cpu(f: CpuFacts, precision: str, device: str) -> CheckResult:
     evidence = (f"{f.model}; {usable:g} usable of {f.online} logical CPUs{quota}; bf16 fast path: "
                 f"{', '.join(fast) if fast else 'none (no amx_bf16 / avx512_bf16 flag)'}")
     if f.fp32_gflops is not None and f.bf16_gflops is not None:
-        evidence += (f"; 512x512 matmul fp32 {f.fp32_gflops:.0f} GFLOP/s, bf16 {f.bf16_gflops:.0f} GFLOP/s "
-                     f"({f.bf16_gflops / f.fp32_gflops:.1f}x)")
+        evidence += (f"; 512x512 matmul on one thread: fp32 {f.fp32_gflops:.0f} GFLOP/s, "
+                     f"bf16 {f.bf16_gflops:.0f} GFLOP/s ({f.bf16_gflops / f.fp32_gflops:.1f}x)")
     bf16_slow = not fast or (f.bf16_gflops is not None and f.bf16_gflops < f.fp32_gflops)
     if precision == "bf16" and device == "cpu" and bf16_slow:
         return warn(name, evidence + "; bf16 on this CPU is emulated and slower than fp32",
