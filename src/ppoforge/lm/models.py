@@ -67,7 +67,7 @@ def _stop_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> set[int]:
     stops = {tokenizer.eos_token_id} - {None}
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS is the only stop token
+    except (OSError, ValueError):  # no (readable) generation_config.json: EOS is the only stop token
         return stops
     return stops | set(eos if isinstance(eos, list) else [eos]) - {None}
 
