@@ -1,0 +1,35 @@
+"""Attention masks and position ids for left-padded prompts followed by right-padded responses.
+
+We hand Hugging Face models a ready 4D mask (transformers returns a prepared 4D mask as is) rather than
+a 2D one, which skips its per-call mask construction and makes every forward of the package — prefill,
+each decode step, scoring, training — read the same mask. Position ids count real tokens only
+(cumsum(mask) - 1, clamped at 0), so a left-padded prompt gets exactly the positions it has alone.
+A padding query attends to itself: an all-masked row would make softmax NaN, and NaN hidden states at
+padding positions leak through 0 * NaN into real tokens at the next layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) 0/1 mask -> (B, L) int64 positions of real tokens; padding gets 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def causal_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) 0/1 key mask -> (B, 1, L, L) bool: causal, real keys only, and the diagonal always."""
+    n = mask.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    allowed = causal[None] & mask.bool()[:, None, :]
+    allowed |= torch.eye(n, dtype=torch.bool, device=mask.device)[None]
+    return allowed[:, None]
+
+
+def as_attention_bias(allowed: torch.Tensor, model) -> torch.Tensor:
+    """Bool for SDPA (its fast path); an additive float mask for the eager implementation."""
+    if getattr(model.config, "_attn_implementation", "sdpa") != "eager":
+        return allowed
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+    return bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
