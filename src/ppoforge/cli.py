@@ -3,6 +3,8 @@
   ppoforge train control --preset cartpole --total-steps 200000 --seed 3
   ppoforge train control --resume runs/CartPole-v1-s3-20261129-201500
   ppoforge eval RUN_DIR --episodes 20
+  ppoforge train rlhf --preset demo --total-updates 40
+  ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
 
 Bad input of any kind ends in one line on stderr and exit code 2 (see errors.UserError).
 """
@@ -14,8 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from ppoforge.config import (add_config_arguments, build_config, list_presets, load_saved_config,
-                             overrides_from_args, read_preset)
+from ppoforge.config import (
+    add_config_arguments,
+    build_config,
+    list_presets,
+    load_saved_config,
+    overrides_from_args,
+    read_preset,
+)
 from ppoforge.errors import UserError
 
 
@@ -55,6 +63,27 @@ def _cmd_train_control(args) -> int:
     status = f"stopped by {result.stopped_by}, checkpoint saved" if result.stopped_by else "done"
     print(f"{status}: {result.global_step:,} steps, mean return of last {len(recent)} episodes "
           f"{mean:.1f}; run dir {result.run_dir}")
+    return 0
+
+
+def _cmd_train_rlhf(args) -> int:
+    from ppoforge.lm.config import RLHFConfig
+    from ppoforge.lm.trainer import train
+
+    overrides = overrides_from_args(args)
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = load_saved_config(RLHFConfig, run_dir / "config.yaml")
+        cfg = build_config(RLHFConfig, {**vars(saved), **overrides})
+    else:
+        values = read_preset(args.preset, "rlhf") if args.preset else {}
+        cfg = build_config(RLHFConfig, {**values, **overrides})
+        run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, f"rlhf-{cfg.layout}-s{cfg.seed}")
+    result = train(cfg, run_dir, resume=bool(args.resume))
+    status = f"stopped by {result.stopped_by}, checkpoint saved" if result.stopped_by else "done"
+    score = result.last_metrics.get("objective/scores", float("nan"))
+    print(f"{status}: {result.updates} updates ({result.episodes:,} episodes), last mean score {score:.3f}; "
+          f"run dir {result.run_dir}")
     return 0
 
 
@@ -103,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
     add_config_arguments(control, ControlConfig)
     control.set_defaults(func=_cmd_train_control)
+    from ppoforge.lm.config import RLHFConfig
+
+    rlhf = train_sub.add_parser("rlhf", help="PPO RLHF of a causal LM against a reward")
+    rlhf.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets('rlhf'))}) or a YAML file")
+    rlhf.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    rlhf.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/rlhf-<layout>-s<seed>-<time>)")
+    rlhf.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
+    add_config_arguments(rlhf, RLHFConfig)
+    rlhf.set_defaults(func=_cmd_train_rlhf)
 
     ev = sub.add_parser("eval", help="evaluate a control run: mean ± std return")
     ev.add_argument("run_dir", help="a run dir written by `ppoforge train control`")

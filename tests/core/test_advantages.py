@@ -61,7 +61,8 @@ def test_gae_hand_values_truncation_bootstraps_termination_does_not():
 
 
 def test_gae_lambda_zero_is_one_step_td():
-    rewards, values, next_values = torch.tensor([[1.0], [2.0]]), torch.tensor([[0.5], [1.0]]), torch.tensor([[1.0], [3.0]])
+    rewards, values = torch.tensor([[1.0], [2.0]]), torch.tensor([[0.5], [1.0]])
+    next_values = torch.tensor([[1.0], [3.0]])
     flags = torch.zeros(2, 1, dtype=torch.bool)
     adv, _ = gae(rewards, values, next_values, flags, flags, gamma=0.9, lam=0.0)
     # A_t = r_t + 0.9 * V' - V: 1 + 0.9 - 0.5 = 1.4 ; 2 + 2.7 - 1 = 3.7

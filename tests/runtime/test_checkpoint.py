@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from ppoforge.errors import UserError
-from ppoforge.runtime.checkpoint import atomic_write_bytes, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ppoforge.runtime.checkpoint import (
+    atomic_write_bytes,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 
 
 def test_roundtrip_loads_with_weights_only(tmp_path):

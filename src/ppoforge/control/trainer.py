@@ -24,7 +24,13 @@ from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.core.advantages import gae
 from ppoforge.core.losses import policy_loss, value_loss
-from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state
+from ppoforge.runtime.checkpoint import (
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.precision import Precision, make_precision
