@@ -21,6 +21,9 @@ Precision: PPOTrainer builds its own `Accelerator()` without passing `mixed_prec
 ACCELERATE_MIXED_PRECISION. `--precision bf16` sets it (bf16 autocast over fp32 weights, TRL's only
 bf16 mode). Likewise gradient checkpointing (a config default of True) is never enabled by PPOTrainer.
 The effective settings are read back from the trainer and reported.
+
+Besides wall time we record each update's process CPU time (all threads): on a shared machine other
+jobs stretch wall time, while CPU time moves much less, so it is a second, load-robust view.
 """
 
 from __future__ import annotations
@@ -88,14 +91,14 @@ def main() -> None:
         response_length=w.new_tokens, stop_token="eos", num_sample_generations=0,
     )
 
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []  # (wall, process CPU) at train begin and after each update
 
     class UpdateClock(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.process_time()))
 
         def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.process_time()))
 
     trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref_policy,
                          reward_model=reward_model, value_model=value_model, train_dataset=dataset,
@@ -103,7 +106,8 @@ def main() -> None:
     setup_s = time.perf_counter() - t_setup
     trainer.train()
 
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]
+    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:], strict=False)]
     assert len(gaps) == n_updates, f"expected {n_updates} updates, timed {len(gaps)}"
     timed = gaps[args.warmup:]
     median = statistics.median(timed)
@@ -111,6 +115,7 @@ def main() -> None:
         "framework": "trl", "layout": "trl-4-model", "precision": args.precision, "workload": w.name,
         "threads": torch.get_num_threads(), "warmup": args.warmup, "updates": args.updates,
         "warmup_s": gaps[: args.warmup], "update_s": timed, "median_s": median,
+        "cpu_s": cpu[args.warmup:], "median_cpu_s": statistics.median(cpu[args.warmup:]),
         "samples_per_s": w.n_prompts / median, "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
         "setup_s": setup_s,
         "effective": {"mixed_precision": trainer.accelerator.mixed_precision,

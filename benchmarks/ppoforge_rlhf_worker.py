@@ -1,0 +1,123 @@
+"""Time ppoforge's LM PPO update on one workload; prints one BENCH_RESULT line like trl_ppo_worker.py.
+
+Runs in ppoforge's venv, one process per measurement. Same workload directory as the TRL side (same
+weights, tokenizer, prompts), same PPO shape: batch = all prompts, 1 mini-batch, 1 PPO epoch, the
+workload's micro-batch, `max_new_tokens` from the workload, stop at EOS, temperature 0.7, k1 KL with
+beta 0.05. Layouts: `full` is TRL's 4 models (policy, frozen reference copy, critic trunk initialized
+from the reward checkpoint as TRL's value model is, separate reward model); `lora` is ppoforge's
+default (frozen base with adapters, reference = adapters off). The reward is the same
+AutoModelForSequenceClassification checkpoint in both layouts (`reward="model:<dir>"`).
+
+How an update is timed: `RLHFTrainer.train_one_update()` is exactly one PPO update (sample, score,
+reference/value pass, GAE, PPO epoch, metrics with their host sync); we time each call with
+perf_counter and process_time, drop the first `--warmup`, and report the medians. Trainer
+construction (model loading) is outside the timed span, as on the TRL side. Peak RSS is the
+process's VmHWM at the end.
+
+Tokenizer: the workload's word-level tokenizer sits in its own folder (see rlhf_workloads.py: next to
+a qwen2 config.json, transformers 5 replaces it with a byte-level Qwen2Tokenizer). RLHFConfig has no
+field for a tokenizer separate from the model, so this worker redirects AutoTokenizer loads of the
+workload's model folders to that folder. It changes which files are read, nothing in ppoforge's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rlhf_workloads  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload-dir", required=True, help="directory written by rlhf_workloads.build()")
+    p.add_argument("--layout", choices=["full", "lora"], default="lora", help="ppoforge model layout")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="ppoforge precision")
+    p.add_argument("--updates", type=int, default=5, help="timed PPO updates (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed PPO updates run first")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0, help="trainer seed")
+    return p.parse_args()
+
+
+def redirect_tokenizer(wdir: Path) -> None:
+    """AutoTokenizer.from_pretrained(<workload policy/ or reward/>) -> the workload's tokenizer/ folder."""
+    from transformers import AutoTokenizer
+
+    original = AutoTokenizer.from_pretrained.__func__
+    model_dirs = {(wdir / "policy").resolve(), (wdir / "reward").resolve()}
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        if Path(str(path)).resolve() in model_dirs:
+            path = wdir / "tokenizer"
+        return original(cls, path, *args, **kwargs)
+
+    AutoTokenizer.from_pretrained = classmethod(from_pretrained)
+
+
+def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace):
+    from ppoforge.config import build_config
+    from ppoforge.lm.config import RLHFConfig
+
+    return build_config(RLHFConfig, {
+        "model": str(wdir / "policy"), "layout": args.layout,
+        "critic_model": str(wdir / "reward") if args.layout == "full" else None,
+        "prompts": str(wdir / "prompts.jsonl"), "heldout_prompts": None, "use_chat_template": False,
+        "reward": f"model:{wdir / 'reward'}",
+        "max_prompt_tokens": w.prompt_len, "max_new_tokens": w.new_tokens,
+        "batch_size": w.n_prompts, "mini_batch_size": w.n_prompts, "micro_batch_size": w.micro_batch,
+        "ppo_epochs": 1, "total_updates": args.warmup + args.updates, "seed": args.seed,
+        "precision": args.precision, "device": "cpu", "torch_threads": args.threads,
+        "tensorboard": False, "progress": False,
+    })
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    import transformers
+
+    import ppoforge
+    from ppoforge.lm.trainer import RLHFTrainer
+
+    torch.set_num_threads(args.threads)
+    wdir = Path(args.workload_dir).resolve()
+    w = rlhf_workloads.load_workload(wdir)
+    redirect_tokenizer(wdir)
+    t_setup = time.perf_counter()
+    trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(tempfile.mkdtemp(prefix="bench-ppoforge-")))
+    setup_s = time.perf_counter() - t_setup
+    # Both frameworks must see the same prompt token ids (this also proves the tokenizer redirect).
+    same = sorted(map(list, trainer.c.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
+    assert same, "ppoforge tokenized the workload prompts differently from the TRL side"
+
+    gaps, cpu = [], []  # wall and process-CPU seconds per update
+    for _ in range(args.warmup + args.updates):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        metrics, _table = trainer.train_one_update()
+        gaps.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+    timed = gaps[args.warmup:]
+    median = statistics.median(timed)
+    result = {
+        "framework": "ppoforge", "layout": args.layout, "precision": args.precision, "workload": w.name,
+        "threads": torch.get_num_threads(), "warmup": args.warmup, "updates": args.updates,
+        "warmup_s": gaps[: args.warmup], "update_s": timed, "median_s": median,
+        "cpu_s": cpu[args.warmup:], "median_cpu_s": statistics.median(cpu[args.warmup:]),
+        "samples_per_s": w.n_prompts / median, "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
+        "setup_s": setup_s, "last_metrics": {k: metrics[k] for k in ("objective/kl", "objective/scores",
+                                                                      "objective/response_length")},
+        "versions": {"ppoforge": ppoforge.__version__, "transformers": transformers.__version__,
+                     "torch": torch.__version__},
+    }
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
