@@ -1,0 +1,103 @@
+"""RLHFConfig: every knob of PPO for causal LMs, flat, with TRL's PPOConfig defaults where they exist.
+
+Derived values (`num_mini_batches`, `grad_accum`) are properties, never fields, so they cannot
+disagree with the sizes they come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppoforge.config import param
+from ppoforge.core.kl import KL_ESTIMATORS
+from ppoforge.errors import UserError
+from ppoforge.runtime.device import DEVICE_CHOICES
+from ppoforge.runtime.precision import PRECISION_CHOICES
+
+
+@dataclass
+class RLHFConfig:
+    # ---- models
+    model: str = param("smollm2-135m-instruct", "policy model: a checkpoint dir, a hub id or a built-in name")
+    layout: str = param("lora", "lora: frozen base + adapters, reference = adapters off; full: TRL's 4 models",
+                        choices=("lora", "full"))
+    lora_r: int = param(16, "LoRA rank", lo=1)
+    lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
+    lora_dropout: float = param(0.0, "LoRA dropout; must be 0 (PPO's ratio needs deterministic forwards)",
+                                lo=0.0, hi=0.0)
+    lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
+    value_adapter: bool = param(False, "lora layout: the value head gets its own LoRA adapter "
+                                "instead of sharing the policy's trunk")
+    critic_model: str | None = param(None, "full layout: checkpoint to initialize the critic trunk from "
+                                     "(e.g. the reward model); default: the policy")
+    # ---- data and reward
+    prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, or demo")
+    prompt_field: str = param("prompt", "field of each row that holds the prompt text")
+    heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
+                                        "(eval/ metrics); none to skip")
+    use_chat_template: bool = param(True, "wrap prompts in the tokenizer's chat template when it has one")
+    reward: str = param("vader", "reward spec, comma-separated: vader, length:N, format:REGEX, "
+                        "eos_penalty:X, model:PATH, py:module:function")
+    reward_weights: str | None = param(None, "comma-separated weight per reward term (default: all 1)")
+    missing_eos_penalty: float | None = param(None, "subtract this from the score of completions that hit "
+                                              "max_new_tokens without a stop token", lo=0.0)
+    # ---- sampling
+    max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens", lo=1)
+    max_new_tokens: int = param(32, "response length limit", lo=1)
+    temperature: float = param(0.7, "sampling temperature; log-probs use the same scaling", gt=0)
+    top_k: int = param(0, "sample from the k most likely tokens (0: off)", lo=0)
+    top_p: float = param(1.0, "nucleus sampling mass (1: off)", gt=0, hi=1.0)
+    stop_tokens: str | None = param(None, "extra stop tokens besides EOS: comma-separated ids or tokens")
+    # ---- PPO
+    batch_size: int = param(16, "prompts (= responses) per rollout", lo=1)
+    mini_batch_size: int = param(16, "responses per optimizer step", lo=1)
+    micro_batch_size: int = param(8, "responses per forward/backward (accumulated to a mini-batch)", lo=1)
+    ppo_epochs: int = param(4, "passes over each rollout", lo=1)
+    learning_rate: float = param(1e-4, "AdamW learning rate (full fine-tuning wants ~1e-6)", gt=0)
+    anneal_lr: bool = param(True, "decay the learning rate linearly to 0 over total_updates")
+    gamma: float = param(1.0, "discount over response tokens", lo=0.0, hi=1.0)
+    lam: float = param(0.95, "GAE lambda", lo=0.0, hi=1.0)
+    clip: float = param(0.2, "PPO ratio clip epsilon", gt=0)
+    value_clip: float | None = param(0.2, "clip values to old values +- this (none: no value clipping)", gt=0)
+    vf_coef: float = param(0.1, "value loss coefficient", lo=0.0)
+    ent_coef: float = param(0.0, "entropy bonus coefficient", lo=0.0)
+    kl_coef: float = param(0.05, "initial KL penalty coefficient beta", lo=0.0)
+    kl_estimator: str = param("k1", "per-token KL estimator in the reward", choices=KL_ESTIMATORS)
+    kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0)
+    kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1)
+    whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
+    max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0)
+    # ---- run
+    total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1)
+    seed: int = param(1, "seed for sampling, data order and initialization", lo=0)
+    precision: str = param("fp32", "fp32, bf16 (autocast; CPU or CUDA) or fp16 (CUDA)", choices=PRECISION_CHOICES)
+    device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
+    torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)", lo=1)
+    gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory")
+    checkpoint_every: int = param(25, "save a checkpoint every this many updates (and at the end)", lo=1)
+    log_every: int = param(1, "log metrics and a completions table every this many updates", lo=1)
+    tensorboard: bool = param(True, "also write TensorBoard event files")
+    progress: bool = param(True, "show a live progress bar")
+
+    def finalize(self) -> None:
+        if self.device.split(":")[0] not in DEVICE_CHOICES:
+            raise UserError(f"device: {self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        if self.batch_size % self.mini_batch_size:
+            raise UserError(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size "
+                            f"{self.batch_size}; allowed: a divisor of batch_size")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide mini_batch_size "
+                            f"{self.mini_batch_size}; allowed: a divisor of mini_batch_size")
+        if self.value_adapter and self.layout != "lora":
+            raise UserError("value_adapter: only the lora layout has adapters; allowed: false with layout full")
+        if self.critic_model is not None and self.layout != "full":
+            raise UserError("critic_model: only the full layout has a separate critic; "
+                            "allowed: none with layout lora")
+
+    @property
+    def num_mini_batches(self) -> int:
+        return self.batch_size // self.mini_batch_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.mini_batch_size // self.micro_batch_size

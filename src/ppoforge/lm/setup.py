@@ -1,0 +1,106 @@
+"""Everything an RLHF run is built from — device, precision, tokenizer, model layout, stop tokens,
+tokenized prompts, reward — assembled from an `RLHFConfig` in one place, so the trainer only trains.
+
+Memory/speed choice: weights that never train (the LoRA base, the full layout's reference) are loaded
+in the autocast dtype under bf16/fp16, which is what autocast would cast them to on every forward
+anyway; trained weights stay fp32 (master weights).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ppoforge.errors import UserError
+from ppoforge.lm.config import RLHFConfig
+from ppoforge.lm.policy import Layout, build_full, build_lora
+from ppoforge.runtime.device import resolve_device
+from ppoforge.runtime.precision import Precision, make_precision
+
+
+@dataclass
+class Components:
+    device: torch.device
+    precision: Precision
+    tokenizer: object
+    layout: Layout
+    stop_ids: tuple[int, ...]
+    rows: list[dict]                 # training prompt rows
+    prompt_ids: list[list[int]]      # their rendered, tokenized, truncated prompts
+    heldout_rows: list[dict]
+    heldout_ids: list[list[int]]
+    score: Callable                  # (prompts, completions, finished, rows) -> (B,) float32 scores
+
+
+def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
+    """EOS, the generation config's eos ids, and `extra` (comma-separated ids or token strings)."""
+    stops = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    stops |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    for item in (extra or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        tid = int(item) if item.isdigit() else tokenizer.convert_tokens_to_ids(item)
+        if tid is None or tid == tokenizer.unk_token_id or not 0 <= tid < len(tokenizer):
+            raise UserError(f"stop_tokens: {item!r} is not a token of this tokenizer; "
+                            "allowed: token ids or token strings, comma-separated")
+        stops.add(tid)
+    stops.discard(None)
+    if tokenizer.pad_token_id in stops:
+        raise UserError(f"stop_tokens: the pad token {tokenizer.pad_token!r} cannot be a stop token")
+    return tuple(sorted(stops))
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_tokens: int) -> list[list[int]]:
+    """Render each prompt (chat template when asked and available), tokenize, keep the last max_tokens."""
+    from ppoforge.lm.data import render_prompt
+
+    templated = chat and bool(tokenizer.chat_template)
+    texts = [render_prompt(tokenizer, r[field], chat) for r in rows]
+    encoded = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
+    out = [ids[-max_tokens:] for ids in encoded]
+    if any(not ids for ids in out):
+        raise UserError(f"prompts: a prompt of field {field!r} tokenizes to no tokens")
+    return out
+
+
+def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype) -> Layout:
+    from ppoforge.lm.models import load_causal_lm, load_reward_model
+
+    if cfg.layout == "lora":
+        base = load_causal_lm(cfg.model, frozen_dtype, device, tokenizer=tokenizer)
+        return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.value_adapter,
+                          cfg.gradient_checkpointing)
+    policy = load_causal_lm(cfg.model, torch.float32, device, tokenizer=tokenizer)
+    reference = load_causal_lm(cfg.model, frozen_dtype, device, tokenizer=tokenizer)
+    critic = load_reward_model(cfg.critic_model, torch.float32, device, tokenizer=tokenizer) \
+        if cfg.critic_model else None
+    return build_full(policy, reference, critic, cfg.gradient_checkpointing)
+
+
+def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
+    from ppoforge.lm.data import load_prompts
+    from ppoforge.lm.models import load_tokenizer
+    from ppoforge.lm.rewards import build_reward, score
+
+    device = resolve_device(cfg.device)
+    precision = make_precision(cfg.precision, device)
+    tokenizer = load_tokenizer(cfg.model)
+    layout = _layout(cfg, tokenizer, device, precision.dtype or torch.float32)
+    stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
+    rows = load_prompts(cfg.prompts, cfg.prompt_field)
+    heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
+    encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
+                               max_tokens=cfg.max_prompt_tokens)
+    if reward_fn is None:
+        spec = cfg.reward + (f",eos_penalty:{cfg.missing_eos_penalty}" if cfg.missing_eos_penalty else "")
+        weights = cfg.reward_weights + ",1" if cfg.reward_weights and cfg.missing_eos_penalty else cfg.reward_weights
+        reward_fn, name = build_reward(spec, weights, device=device), spec
+    else:
+        name = getattr(reward_fn, "__name__", "reward_fn")
+    return Components(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
+                      encode(heldout) if heldout else [], functools.partial(score, reward_fn, name))

@@ -1,0 +1,278 @@
+"""PPO for causal LMs (RLHF), top to bottom: sample -> score -> advantages -> update -> log -> checkpoint.
+
+The recipe is Ziegler et al. 2019 as TRL's PPOTrainer implements it: per-token reward = -beta * KL to
+the frozen reference on every response token plus the reward function's score on the last one; GAE
+over response tokens (gamma 1, lambda 0.95); advantages whitened over the batch's real tokens; clipped
+surrogate and clipped value loss; fixed or adaptive beta. Deliberate differences from TRL: the model
+layouts (`policy.py`: LoRA with the reference = adapters off, no second copy), our own KV-cache decode
+loop, one scoring pass per model, and micro-batch losses normalized by the mini-batch's token count so
+that gradient accumulation gives exactly the mini-batch gradient. Left out: reward-model training,
+multi-process training, value-head warm-up, per-token entropy regularization beyond `ent_coef`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ppoforge.config import config_to_dict, save_config
+from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from ppoforge.core.losses import policy_loss, value_loss
+from ppoforge.core.stats import masked_mean
+from ppoforge.lm.config import RLHFConfig
+from ppoforge.lm.logprobs import token_logprobs
+from ppoforge.lm.rollout import Rollout, advantages, left_pad, token_rewards
+from ppoforge.lm.sampler import Samples, SamplingParams, sample
+from ppoforge.lm.setup import Components, build_components
+from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state
+from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.progress import Progress
+from ppoforge.runtime.signals import StopFlag
+
+CHECKPOINT = "checkpoint.pt"
+TABLE_ROWS = 8  # completions shown in TensorBoard per logging step (all of them go to completions.jsonl)
+STAT_KEYS = ("loss/policy_avg", "loss/value_avg", "policy/entropy_avg", "policy/approxkl_avg",
+             "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    updates: int
+    episodes: int
+    last_metrics: dict          # the metrics of the last update run in this call ({} if none)
+    stopped_by: str | None      # a signal name when interrupted
+
+
+class RLHFTrainer:
+    """Holds the run's state; `run()` trains until total_updates or a stop signal."""
+
+    def __init__(self, cfg: RLHFConfig, run_dir: Path, reward_fn=None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        seed_everything(cfg.seed)
+        self.c: Components = build_components(cfg, reward_fn)
+        self.layout, self.tokenizer, self.precision = self.c.layout, self.c.tokenizer, self.c.precision
+        self.params = [p for _, p in self.layout.named_trainable()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0)
+        self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
+                       else FixedKLController(cfg.kl_coef))
+        self.sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                       self.c.stop_ids, self.tokenizer.pad_token_id)
+        self.gen = torch.Generator(self.c.device).manual_seed(cfg.seed)
+        self.update = 0   # completed updates
+        self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
+
+    # ---- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"trainable": {n: p.detach().clone() for n, p in self.layout.named_trainable()},
+                "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict(),
+                "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_state(), "generator": self.gen.get_state(),
+                "update": self.update, "cursor": self.cursor, "config": config_to_dict(self.cfg)}
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir / CHECKPOINT, self.state_dict())
+
+    def load(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, p in self.layout.named_trainable():
+                p.copy_(state["trainable"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        set_rng_state(state["rng"])
+        self.gen.set_state(state["generator"])
+        self.update, self.cursor = state["update"], state["cursor"]
+
+    # ---- data ---------------------------------------------------------------------------------------
+    def next_prompts(self) -> list[int]:
+        """Row indices of the next batch: epoch e visits the prompts in a permutation seeded by (seed, e)."""
+        n, out = len(self.c.prompt_ids), []
+        for i in range(self.cursor, self.cursor + self.cfg.batch_size):
+            out.append(int(np.random.default_rng([self.cfg.seed, i // n]).permutation(n)[i % n]))
+        self.cursor += self.cfg.batch_size
+        return out
+
+    # ---- rollout ------------------------------------------------------------------------------------
+    def generate(self, token_rows: list[list[int]], generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor, Samples]:
+        """Left-pad the prompts and sample; returns (prompt + response ids, prompt mask, samples)."""
+        prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.c.device)
+        with self.layout.sampler() as model, self.precision.autocast():
+            samples = sample(model, prompt_ids, prompt_mask, self.sampling, generator)
+        return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
+
+    def completions(self, samples: Samples) -> list[str]:
+        lengths = samples.response_mask.sum(1).long().tolist()
+        return self.tokenizer.batch_decode([ids[:n] for ids, n in zip(samples.response_ids.tolist(), lengths,
+                                                                      strict=True)], skip_special_tokens=True)
+
+    def score(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
+        prompts = [r[self.cfg.prompt_field] for r in rows]
+        with torch.inference_mode(), self.precision.autocast():
+            scores = self.c.score(prompts, texts, samples.finished.tolist(), rows)
+        return scores.to(self.c.device)
+
+    @torch.inference_mode()
+    def evaluate(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
+        """Old log-probs and values (one policy pass), reference log-probs (one pass), all fp32."""
+        n, tau = samples.response_ids.shape[1], self.cfg.temperature
+        with self.precision.autocast():
+            logits, values = self.layout.forward(ids, mask, n)
+            logp, _ = token_logprobs(logits, samples.response_ids, tau, entropy=False)
+            del logits
+            ref_logp, _ = token_logprobs(self.layout.ref_logits(ids, mask, n), samples.response_ids, tau,
+                                         entropy=False)
+        m = samples.response_mask
+        return Rollout(ids, mask, samples.response_ids, m, logp * m, ref_logp * m, values * m, scores)
+
+    # ---- update -------------------------------------------------------------------------------------
+    def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
+        """ppo_epochs x shuffled mini-batches x accumulated micro-batches; token-weighted mean stats."""
+        cfg, n_resp = self.cfg, b.resp.shape[1]
+        totals, n_mini = torch.zeros(len(STAT_KEYS), device=b.resp.device), 0
+        for _epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(b.resp.shape[0], generator=self.gen, device=self.gen.device).to(b.resp.device)
+            for mb in order.split(cfg.mini_batch_size):
+                mb_tokens = b.resp_mask[mb].sum()
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mb.split(cfg.micro_batch_size):
+                    m = b.resp_mask[micro]
+                    with self.precision.autocast():
+                        logits, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
+                    logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
+                    pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
+                    v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
+                    ent = masked_mean(entropy, m)
+                    # Each micro-batch's mean is over its own tokens; reweight by its share of the
+                    # mini-batch's tokens so the accumulated gradient is the mini-batch token mean.
+                    share = m.sum() / mb_tokens
+                    self.precision.backward((pg_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent) * share)
+                    totals += share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(),
+                                                   pg["approx_kl"], pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
+                self.precision.step(self.optimizer, self.params, cfg.max_grad_norm)
+                n_mini += 1
+        return dict(zip(STAT_KEYS, totals / n_mini, strict=True))
+
+    def train_one_update(self) -> tuple[dict, list[dict]]:
+        """One PPO update; returns its metrics and the completion rows for the table."""
+        cfg, start = self.cfg, time.perf_counter()
+        lr = cfg.learning_rate * (1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else cfg.learning_rate
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # 1. prompts -> responses (eval mode, no grad, KV cache)
+        idx = self.next_prompts()
+        rows = [self.c.rows[i] for i in idx]
+        ids, prompt_mask, samples = self.generate([self.c.prompt_ids[i] for i in idx], self.gen)
+        gen_s = time.perf_counter() - start
+        # 2. score: reward on the decoded text; old / reference log-probs and values from one pass each
+        texts = self.completions(samples)
+        scores = self.score(rows, texts, samples)
+        mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
+        b = self.evaluate(ids, mask, samples, scores).detached()
+        # 3. per-token rewards (-beta * KL, score at the last token) -> GAE -> whitened advantages
+        beta = self.kl_ctl.value
+        kl = kl_penalty(b.logp, b.ref_logp, cfg.kl_estimator) * b.resp_mask
+        rewards, non_score = token_rewards(b.scores, kl, b.resp_mask, beta)
+        b.adv, b.ret = advantages(rewards, b.values, b.resp_mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        # 4. PPO epochs over the rollout
+        stats = self.ppo_update(b)
+        # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
+        seq_kl = kl.sum(1).mean()
+        self.kl_ctl.update(float(seq_kl), cfg.batch_size)
+        self.update += 1
+        objective = {"objective/kl": seq_kl, "objective/entropy": -b.logp.sum(1).mean(),
+                     "objective/non_score_reward": non_score.sum(1).mean(),
+                     "objective/rlhf_reward": (b.scores + non_score.sum(1)).mean(),
+                     "objective/scores": b.scores.mean(),
+                     "val/num_eos_tokens": samples.finished.sum().float(),
+                     "objective/response_length": b.resp_mask.sum(1).mean()}
+        metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
+        elapsed = time.perf_counter() - start
+        metrics.update({"objective/kl_coef": beta, "lr": lr, "episode": self.update * cfg.batch_size,
+                        "perf/samples_per_s": cfg.batch_size / elapsed,
+                        "perf/tokens_per_s": metrics["objective/response_length"] * cfg.batch_size / elapsed,
+                        "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed})
+        table = [{"prompt": r[cfg.prompt_field], "completion": t, "score": s}
+                 for r, t, s in zip(rows, texts, b.scores.tolist(), strict=True)]
+        return metrics, table
+
+    # ---- held-out evaluation and the run loop -------------------------------------------------------
+    def heldout_scores(self) -> tuple[float, list[dict]] | None:
+        """Mean score on the held-out prompts (its own generator: training's RNG stream is untouched)."""
+        if not self.c.heldout_rows:
+            return None
+        gen = torch.Generator(self.c.device).manual_seed(self.cfg.seed + 1)
+        table, bs = [], self.cfg.batch_size
+        for s in range(0, len(self.c.heldout_rows), bs):
+            rows = self.c.heldout_rows[s:s + bs]
+            _, _, samples = self.generate(self.c.heldout_ids[s:s + bs], gen)
+            texts = self.completions(samples)
+            scores = self.score(rows, texts, samples).tolist()
+            table += [{"prompt": r[self.cfg.prompt_field], "completion": t, "score": x}
+                      for r, t, x in zip(rows, texts, scores, strict=True)]
+        return sum(r["score"] for r in table) / len(table), table
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        save_config(cfg, self.run_dir / "config.yaml")
+        for name in ("metrics.jsonl", "completions.jsonl"):
+            truncate_metrics(self.run_dir / name, self.update)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
+        progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress, unit="update")
+        metrics: dict = {}
+        try:
+            if self.update == 0:
+                self._log_heldout(logger)
+            with StopFlag() as stop:
+                while self.update < cfg.total_updates and not stop:
+                    metrics, table = self.train_one_update()
+                    if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
+                        logger.log(self.update, metrics)
+                        self._log_table(logger, "train", table)
+                    progress.advance(1, score=metrics["objective/scores"], kl=metrics["objective/kl"])
+                    if self.update % cfg.checkpoint_every == 0 or self.update == cfg.total_updates or stop:
+                        self.save()
+            if self.update == cfg.total_updates and not stop:
+                self._log_heldout(logger)
+                self.layout.export(self.run_dir / "policy")
+                self.tokenizer.save_pretrained(self.run_dir / "policy")
+        finally:
+            progress.close()
+            logger.close()
+        plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
+                    "eval/scores"], self.run_dir / "reward_kl.png", title=f"PPO {cfg.layout}: {cfg.model}")
+        return TrainResult(self.run_dir, self.update, self.update * cfg.batch_size, metrics, stop.signal_name)
+
+    def _log_heldout(self, logger: MetricsLogger) -> None:
+        result = self.heldout_scores()
+        if result is not None:
+            logger.log(self.update, {"eval/scores": result[0]})
+            self._log_table(logger, "heldout", result[1])
+
+    def _log_table(self, logger: MetricsLogger, split: str, table: list[dict]) -> None:
+        with (self.run_dir / "completions.jsonl").open("a") as f:
+            for row in table:
+                f.write(json.dumps({"step": self.update, "split": split, **row}) + "\n")
+        lines = ["| prompt | completion | score |", "|---|---|---|"]
+        lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['score']:.3f} |"
+                  for r in table[:TABLE_ROWS]]
+        logger.log_text(self.update, f"completions/{split}", "\n".join(lines))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:200]
+
+
+def train(cfg: RLHFConfig, run_dir: Path, resume: bool = False, reward_fn=None) -> TrainResult:
+    """Train (or, with resume, continue) an RLHF run in `run_dir`. `reward_fn` overrides cfg.reward."""
+    trainer = RLHFTrainer(cfg, run_dir, reward_fn)
+    if resume:
+        trainer.load(load_checkpoint(Path(run_dir) / CHECKPOINT, map_location=trainer.c.device))
+    return trainer.run()
