@@ -35,16 +35,23 @@ def test_hand_computed_two_token_vocab():
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 4])
-def test_gradients_match_autograd_of_naive(chunk_rows):
+@pytest.mark.parametrize("tau", [1.0, 0.8])
+@pytest.mark.parametrize("terms", ["both", "logp", "entropy"])
+def test_gradients_match_autograd_of_naive(chunk_rows, tau, terms):
     torch.manual_seed(1)
     logits = (torch.randn(3, 6, 29) * 2).requires_grad_()
+    before = logits.detach().clone()
     tokens = torch.randint(0, 29, (3, 6))
     w_logp, w_ent = torch.randn(3, 6), torch.randn(3, 6)
-    logp, entropy = token_logprobs(logits, tokens, 0.8, chunk_rows=chunk_rows)
-    (grad,) = torch.autograd.grad((logp * w_logp).sum() + (entropy * w_ent).sum(), logits)
-    ref_logp, ref_entropy = naive(logits, tokens, 0.8)
-    (ref_grad,) = torch.autograd.grad((ref_logp * w_logp).sum() + (ref_entropy * w_ent).sum(), logits)
+
+    def loss(logp, entropy):  # a term left out of the graph reaches backward as a None grad
+        parts = {"logp": (logp * w_logp).sum(), "entropy": (entropy * w_ent).sum()}
+        return sum(v for k, v in parts.items() if terms in (k, "both"))
+
+    (grad,) = torch.autograd.grad(loss(*token_logprobs(logits, tokens, tau, chunk_rows=chunk_rows)), logits)
+    (ref_grad,) = torch.autograd.grad(loss(*naive(logits, tokens, tau)), logits)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
+    assert torch.equal(logits.detach(), before)  # backward works on copies, never on the saved logits
 
 
 def test_gradient_of_logp_alone_and_bf16_logits():

@@ -7,6 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppoforge.lm.attention import causal_mask, position_ids
+from ppoforge.lm.decoders import HFDecoder, LlamaDecoder
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.sampler import SamplingParams, _draw, filter_logits, sample
 
@@ -37,7 +38,7 @@ def _prompts(batch=4, width=3):
 
 def test_stop_masks_eos_first_never_and_mid_batch():
     script = [[EOS, 5, 5, 5, 5, 5], [5, 6, 7, 8, 9, 10], [5, 6, EOS, 9, 9, 9], [5, EOS, EOS, 9, 9, 9]]
-    out = sample(Scripted(script), *_prompts(), SamplingParams(6, stop_ids=(EOS,), pad_id=PAD))
+    out = sample(HFDecoder(Scripted(script)), *_prompts(), SamplingParams(6, stop_ids=(EOS,), pad_id=PAD))
     assert out.response_ids.tolist() == [[EOS, PAD, PAD, PAD, PAD, PAD], [5, 6, 7, 8, 9, 10],
                                          [5, 6, EOS, PAD, PAD, PAD], [5, EOS, PAD, PAD, PAD, PAD]]
     assert out.response_mask.tolist() == [[1, 0, 0, 0, 0, 0], [1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]]
@@ -50,7 +51,7 @@ def test_stop_masks_eos_first_never_and_mid_batch():
 def test_stops_early_once_every_row_stopped_and_extra_stop_ids():
     script = [[5, EOS, 5, 5, 5, 5], [11, 5, 5, 5, 5, 5]]
     model = Scripted(script)
-    out = sample(model, *_prompts(2), SamplingParams(6, stop_ids=(EOS, 11), pad_id=PAD))
+    out = sample(HFDecoder(model), *_prompts(2), SamplingParams(6, stop_ids=(EOS, 11), pad_id=PAD))
     assert out.response_ids.tolist() == [[5, EOS], [11, PAD]]
     assert out.finished.tolist() == [True, True]
     assert model.calls == 2  # prefill + one decode step; no forward after the last token
@@ -134,3 +135,26 @@ def test_draws_follow_the_temperature_scaled_softmax():
     torch.testing.assert_close(logp, expected.log()[tok], atol=1e-6, rtol=0)
     top1, _ = _draw(logits[:100], SamplingParams(1, temperature=tau, top_k=1), u[:100])
     assert (top1 == 2).all()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama-with-biases"])
+def test_lean_llama_decoder_matches_hf_forward(family):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
+    else:
+        cfg = LlamaConfig(vocab_size=97, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, **SMALL)
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():  # biases are zero-initialized: make them count
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+    ids, mask = _left_padded([[5, 9, 13, 17, 21], [40, 41], [60, 61, 62]])
+    lean, hf = LlamaDecoder(model), HFDecoder(model)
+    with torch.inference_mode():
+        torch.testing.assert_close(lean.prefill(ids, mask, 4), hf.prefill(ids, mask, 4), atol=1e-5, rtol=1e-5)
+        for t, tok in enumerate([[3, 4, 5], [6, 7, 8], [9, 10, 11]]):
+            tok = torch.tensor(tok)
+            torch.testing.assert_close(lean.step(tok, t), hf.step(tok, t), atol=1e-5, rtol=1e-5)

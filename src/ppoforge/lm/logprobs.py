@@ -26,31 +26,34 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, temperature, chunk):
         logp, entropy, lse = _forward_chunks(logits, tokens, temperature, chunk, with_entropy=True)
-        ctx.save_for_backward(logits, tokens, lse)
+        ctx.save_for_backward(logits, tokens, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        logits, tokens, lse = ctx.saved_tensors
-        tau, chunk = ctx.temperature, ctx.chunk
-        grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], chunk):
-            z = logits[s:s + chunk].float()
-            if tau != 1.0:
-                z = z / tau
-            log_p = z - lse[s:s + chunk, None]
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        tau, chunk, n = ctx.temperature, ctx.chunk, logits.shape[0]
+        # fold 1/tau (dz/dlogits) into the per-row output grads once: (N, 1) instead of (N, V) work
+        gl = None if g_logp is None else (g_logp / tau)[:, None]
+        ge = None if g_entropy is None else (g_entropy / tau)[:, None]
+        grad = torch.empty_like(logits) if n > chunk else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = logits[s:e]  # a fresh fp32 tensor (never a view of the saved logits: edited in place below)
+            log_p = (z.float() / tau if tau != 1.0 else z.to(torch.float32, copy=True)).sub_(lse[s:e, None])
             p = torch.exp(log_p)
-            g = torch.zeros_like(p)
-            if g_logp is not None:
-                gl = g_logp[s:s + chunk, None]
-                g -= p * gl
-                g.scatter_add_(1, tokens[s:s + chunk, None], gl)
-            if g_entropy is not None:
-                h = -(p * log_p).sum(-1, keepdim=True)
-                g -= g_entropy[s:s + chunk, None] * p * (log_p + h)
-            grad[s:s + chunk] = g / tau if tau != 1.0 else g
+            if ge is not None:  # -p (gl + ge (log p + H)), the entropy part from dH/dz = -p (log p + H)
+                g = log_p.add_(entropy[s:e, None]).mul_(ge[s:e])
+                g = (g.add_(gl[s:e]) if gl is not None else g).mul_(p).neg_()
+            else:
+                g = p.mul_(-gl[s:e])
+            if gl is not None:
+                g.scatter_add_(1, tokens[s:e, None], gl[s:e])
+            if grad is None:
+                return g.to(logits.dtype), None, None, None
+            grad[s:e] = g
         return grad, None, None, None
 
 
@@ -61,15 +64,19 @@ def _forward_chunks(logits, tokens, temperature, chunk, with_entropy):
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else None
     for s in range(0, n, chunk):
-        z = logits[s:s + chunk].float()
+        e = min(s + chunk, n)
+        z = logits[s:e].float()
         if temperature != 1.0:
             z = z / temperature
-        lse_c = torch.logsumexp(z, dim=-1)
-        logp[s:s + chunk] = z.gather(1, tokens[s:s + chunk, None]).squeeze(1) - lse_c
-        lse[s:s + chunk] = lse_c
+        tok = tokens[s:e, None]
         if with_entropy:
-            log_p = z - lse_c[:, None]  # -sum p log p, not lse - sum p z: no cancellation when peaked
-            entropy[s:s + chunk] = -(torch.exp(log_p) * log_p).sum(-1)
+            log_p = torch.log_softmax(z, dim=-1)  # -sum p log p: no cancellation when p is peaked
+            entropy[s:e] = -(torch.exp(log_p) * log_p).sum(-1)
+            logp[s:e] = log_p.gather(1, tok).squeeze(1)
+            lse[s:e] = z.gather(1, tok).squeeze(1) - logp[s:e]
+        else:  # one fused log_softmax is ~2x faster on CPU than logsumexp's separate passes
+            logp[s:e] = torch.log_softmax(z, dim=-1).gather(1, tok).squeeze(1)
+            lse[s:e] = z.gather(1, tok).squeeze(1) - logp[s:e]
     return logp, entropy, lse
 
 

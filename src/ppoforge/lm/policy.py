@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from ppoforge.lm.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.lm.decoders import Decoder, HFDecoder, LlamaDecoder, decoder_for, is_llama_family
 
 
 class ValueHead(nn.Module):
@@ -62,13 +65,20 @@ def enable_gradient_checkpointing(lm: nn.Module) -> None:
             module.training = True
 
 
+def _merged_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a Linear; for a LoRA Linear, base + the active adapter's delta (a new tensor)."""
+    if not isinstance(module, LoraLayer):
+        return module.weight, module.bias
+    base = module.get_base_layer()
+    delta = sum(module.get_delta_weight(name).float() for name in module.active_adapters)
+    return (base.weight.float() + delta).to(base.weight.dtype), base.bias
+
+
 @contextlib.contextmanager
 def merged_lora(peft_model: nn.Module, adapter: str = "default"):
     """Decode with base + adapter merged into temporary weights: one matmul per adapted layer instead of
     three, ~40% of a small model's decode step. The base weight objects are swapped out and back, never
     modified, so the frozen base (and with it the reference) cannot drift by merge/unmerge rounding."""
-    from peft.tuners.lora import LoraLayer
-
     swaps = []
     with torch.no_grad():
         for module in peft_model.modules():
@@ -102,7 +112,7 @@ class Layout(Protocol):
 
     policy_model: nn.Module  # the policy as a Hugging Face causal LM (adapters injected in lora)
 
-    def sampler(self) -> contextlib.AbstractContextManager[nn.Module]: ...  # a causal LM to decode with
+    def decoder(self) -> contextlib.AbstractContextManager[Decoder]: ...  # the policy, for the sampler
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int
                 ) -> tuple[torch.Tensor, torch.Tensor]: ...  # logits (B, T, V), values (B, T) fp32
@@ -134,9 +144,15 @@ class LoraLayout:
         self._trainable = [(n, p) for n, p in self.peft.named_parameters() if "lora_" in n]
         self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
         self._use_adapter("default")
+        self._only_linear_adapters = all(isinstance(m, LoraLinear) for m in self.peft.modules()
+                                         if isinstance(m, LoraLayer))
 
-    def sampler(self):
-        return _yielding(merged_lora(self.peft), self.policy_model)
+    def decoder(self):
+        """The policy (base + adapter) as a decoder: the lean one reads merged weights, computed once per
+        rollout; otherwise the HF forward runs on temporarily swapped-in merged weights."""
+        if is_llama_family(self.policy_model.config) and self._only_linear_adapters:
+            return contextlib.nullcontext(LlamaDecoder(self.policy_model, _merged_linear_params))
+        return _yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
 
     def _use_adapter(self, name: str) -> None:
         # peft's set_adapter also flips requires_grad off on the inactive adapter, which would stop its
@@ -186,8 +202,8 @@ class FullLayout:
         for _, p in self._trainable:
             p.requires_grad_(True)
 
-    def sampler(self):
-        return contextlib.nullcontext(self.policy_model)
+    def decoder(self):
+        return contextlib.nullcontext(decoder_for(self.policy_model))
 
     def forward(self, ids, mask, n_resp):
         hidden = response_hidden(self.policy_backbone, ids, mask, n_resp)

@@ -1,9 +1,9 @@
-"""Batched sampling with a KV cache: our own decode loop over a Hugging Face causal LM.
+"""Batched sampling with a KV cache: our own decode loop over a `Decoder` (see decoders.py).
 
 Why not `model.generate`: for small models a PPO update is dominated by per-token framework overhead,
 and generate's logits processors, stopping criteria and 2D-mask rebuilding cost more than the model.
-This loop keeps one preallocated output buffer, one precomputed attention mask sliced per step, no
-Python lists of tensors and one host sync per step (the "all finished?" check, free on CPU).
+This loop keeps preallocated outputs, no Python lists of tensors, B random numbers per step, and one
+host sync per step (the "all stopped?" check, free on CPU).
 
 Log-probs are those of the sampled tokens under softmax(logits / temperature) — the same scaling the
 PPO update uses (`token_logprobs`). With top-k / top-p the token is drawn from the truncated
@@ -13,18 +13,13 @@ on-policy ratios.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import LlamaModel
+from torch import nn
 
-from ppoforge.lm.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.lm.decoders import Decoder, decoder_for
 from ppoforge.lm.logprobs import token_logprobs
-
-# transformers renamed `past_key_values` to `cache` in 5.x; pass whichever this version takes.
-CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -74,29 +69,18 @@ def _draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tupl
     return tok, logp
 
 
-def _last_logits(model, ids, attn, pos, cache) -> torch.Tensor:
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                **{CACHE_KWARG: cache})
-    return out.logits[:, -1]
-
-
 @torch.inference_mode()
-def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None = None) -> Samples:
     """Sample up to max_new_tokens per left-padded prompt (B, P); stops early once every row has stopped.
 
-    Run it under the caller's autocast; the model should be in eval mode. Rows that stopped keep being
-    fed `pad_id` (their outputs are discarded), so shapes stay static for the whole loop.
+    `model` is a Hugging Face causal LM in eval mode (wrapped by `decoder_for`) or a ready Decoder. Run
+    it under the caller's autocast. Rows that stopped keep being fed `pad_id` (their outputs are
+    discarded), so shapes stay static for the whole loop.
     """
-    batch, n_prompt = prompt_ids.shape
-    n_new, dev = params.max_new_tokens, prompt_ids.device
-    keys = torch.cat([prompt_mask.bool(), torch.ones(batch, n_new, dtype=torch.bool, device=dev)], 1)
-    step_bias = as_attention_bias(keys[:, None, None, :], model)  # (B, 1, 1, P + T), sliced per step
-    pos = position_ids(prompt_mask)
-    cache = DynamicCache(config=model.config)
-    logits = _last_logits(model, prompt_ids, as_attention_bias(causal_mask(prompt_mask), model), pos, cache)
-    next_pos = pos[:, -1:] + 1  # (B, 1): left padding puts every row's last real token at the end
-
+    decoder = decoder_for(model) if isinstance(model, nn.Module) else model
+    batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
+    logits = decoder.prefill(prompt_ids, prompt_mask, n_new)
     ids = torch.full((batch, n_new), params.pad_id, dtype=torch.long, device=dev)
     logp = torch.zeros(batch, n_new, dtype=torch.float32, device=dev)
     mask = torch.zeros(batch, n_new, dtype=torch.float32, device=dev)
@@ -113,6 +97,6 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: S
         alive &= ~torch.isin(tok, stop)
         if t + 1 == n_new or not alive.any():
             break
-        logits = _last_logits(model, tok[:, None], step_bias[..., :n_prompt + t + 1], next_pos + t, cache)
+        logits = decoder.step(tok, t)
     n = t + 1
     return Samples(ids[:, :n], mask[:, :n], logp[:, :n], ~alive)

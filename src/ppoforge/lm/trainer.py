@@ -104,8 +104,8 @@ class RLHFTrainer:
                  ) -> tuple[torch.Tensor, torch.Tensor, Samples]:
         """Left-pad the prompts and sample; returns (prompt + response ids, prompt mask, samples)."""
         prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.c.device)
-        with self.layout.sampler() as model, self.precision.autocast():
-            samples = sample(model, prompt_ids, prompt_mask, self.sampling, generator)
+        with self.layout.decoder() as decoder, self.precision.autocast():
+            samples = sample(decoder, prompt_ids, prompt_mask, self.sampling, generator)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
     def completions(self, samples: Samples) -> list[str]:
@@ -153,7 +153,10 @@ class RLHFTrainer:
                     # Each micro-batch's mean is over its own tokens; reweight by its share of the
                     # mini-batch's tokens so the accumulated gradient is the mini-batch token mean.
                     share = m.sum() / mb_tokens
-                    self.precision.backward((pg_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent) * share)
+                    loss = pg_loss + cfg.vf_coef * v_loss
+                    if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
+                        loss = loss - cfg.ent_coef * ent
+                    self.precision.backward(loss * share)
                     totals += share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(),
                                                    pg["approx_kl"], pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
                 self.precision.step(self.optimizer, self.params, cfg.max_grad_norm)

@@ -1,0 +1,45 @@
+"""Model layouts: the LoRA policy decoded through merged weights equals the adapter forward, and the
+merge never touches the frozen base."""
+
+import torch
+
+from ppoforge.lm.decoders import HFDecoder, LlamaDecoder
+from ppoforge.lm.models import load_causal_lm
+from ppoforge.lm.policy import build_lora, merged_lora
+
+
+def _trained_lora(tiny_lm_dir):
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir)), 4, 8.0, "all-linear", False)
+    torch.manual_seed(0)
+    with torch.no_grad():  # B starts at 0 (adapter = identity): give it a real delta
+        for name, p in layout.named_trainable():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    return layout
+
+
+def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
+    layout = _trained_lora(tiny_lm_dir)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.inference_mode():
+        # forward(..., n=1) gives the logits that predict the last token: append one to see the prompt's end
+        plus_one = torch.cat([ids, torch.full((2, 1), 3)], 1)
+        logits, _ = layout.forward(plus_one, torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float(), 1)
+        lean = layout.decoder().__enter__()
+        assert isinstance(lean, LlamaDecoder)
+        torch.testing.assert_close(lean.prefill(ids, mask, 2), logits[:, -1], atol=1e-5, rtol=1e-5)
+        with merged_lora(layout.peft):
+            hf = HFDecoder(layout.policy_model).prefill(ids, mask, 2)
+        torch.testing.assert_close(hf, logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_merged_lora_restores_the_same_base_weight_objects(tiny_lm_dir):
+    layout = _trained_lora(tiny_lm_dir)
+    q = layout.peft.base_model.model.model.layers[0].self_attn.q_proj
+    original, snapshot = q.base_layer.weight, q.base_layer.weight.detach().clone()
+    with merged_lora(layout.peft):
+        assert q.base_layer.weight is not original
+        assert not torch.equal(q.base_layer.weight, snapshot)  # the merged weight is in use
+    assert q.base_layer.weight is original and torch.equal(original, snapshot)
+    assert not q.disable_adapters  # adapters are back on
