@@ -25,7 +25,8 @@ def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
     with torch.inference_mode():
         # forward(..., n=1) gives the logits that predict the last token: append one to see the prompt's end
         plus_one = torch.cat([ids, torch.full((2, 1), 3)], 1)
-        logits, _ = layout.forward(plus_one, torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float(), 1)
+        hidden, _ = layout.forward(plus_one, torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float(), 1)
+        logits = layout.logits(hidden)
         lean = layout.decoder().__enter__()
         assert isinstance(lean, LlamaDecoder)
         torch.testing.assert_close(lean.prefill(ids, mask, 2), logits[:, -1], atol=1e-5, rtol=1e-5)

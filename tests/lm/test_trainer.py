@@ -90,7 +90,7 @@ def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, over
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     mask = torch.ones(1, 6)
     with torch.no_grad():
-        ours, _ = trainer.layout.forward(ids, mask, 3)
+        ours = trainer.layout.logits(trainer.layout.forward(ids, mask, 3)[0])
         theirs = exported(input_ids=ids).logits[:, -4:-1]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
@@ -229,8 +229,8 @@ def test_gradient_checkpointing_recomputes_layers_in_backward(tiny_lm_dir, enabl
     layout = build_lora(load_causal_lm(str(tiny_lm_dir)), 4, 8, "all-linear", False, enabled)
     calls = []
     layout.policy_model.base_model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
-    logits, values = layout.forward(torch.randint(3, 50, (2, 8)), torch.ones(2, 8), 4)
-    (logits.sum() + values.sum()).backward()
+    hidden, values = layout.forward(torch.randint(3, 50, (2, 8)), torch.ones(2, 8), 4)
+    (layout.logits(hidden).sum() + values.sum()).backward()
     assert len(calls) == (2 if enabled else 1)
     assert all(not m.training for m in layout.policy_model.base_model.layers[0].modules()
                if m is not layout.policy_model.base_model.layers[0])  # only the layer's own flag is set

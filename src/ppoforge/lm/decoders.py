@@ -115,6 +115,7 @@ class LlamaDecoder:
         """x (B, S, H) at cache slots [start, start + S) -> logits (B, V) of the last position."""
         batch, n, end = x.shape[0], x.shape[1], start + x.shape[1]
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, hd)
+        x = x.reshape(batch * n, -1)  # 2D activations: F.linear is then one fused addmm, not matmul + add
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             h = self._norm(x, layer.norm1)
             q = F.linear(h, *layer.q).view(batch, n, self.n_heads, self.head_dim)
@@ -125,10 +126,10 @@ class LlamaDecoder:
             v_cache[:, :, start:end] = F.linear(h, *layer.v).view(batch, n, self.n_kv, self.head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qk[:, :self.n_heads], k_cache[:, :, :end], v_cache[:, :, :end],
                                                attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv)
-            x = x + F.linear(o.transpose(1, 2).reshape(batch, n, -1), *layer.o)
+            x = x + F.linear(o.transpose(1, 2).reshape(batch * n, -1), *layer.o)
             h = self._norm(x, layer.norm2)
             x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up), *layer.down)
-        return F.linear(self._norm(x[:, -1], self.final_norm), *self.head)
+        return F.linear(self._norm(x.view(batch, n, -1)[:, -1], self.final_norm), *self.head)
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape

@@ -18,6 +18,12 @@ import torch
 CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk: 64 MiB of working memory
 
 
+def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) in fp32 over the last dim: THE distribution of sampler and update."""
+    z = logits.float()
+    return torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
+
+
 def _rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
@@ -58,25 +64,20 @@ class _TokenLogProbs(torch.autograd.Function):
 
 
 def _forward_chunks(logits, tokens, temperature, chunk, with_entropy):
-    """(logp, entropy or None, logsumexp), all (N,) fp32, chunk by chunk over the rows of (N, V) logits."""
+    """(logp, entropy, logsumexp) or (logp, None, None), (N,) fp32, chunk by chunk over the rows of (N, V)."""
     n = logits.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else None
+    lse = torch.empty_like(logp) if with_entropy else None
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        z = logits[s:e].float()
-        if temperature != 1.0:
-            z = z / temperature
         tok = tokens[s:e, None]
-        if with_entropy:
-            log_p = torch.log_softmax(z, dim=-1)  # -sum p log p: no cancellation when p is peaked
+        log_p = scaled_log_softmax(logits[s:e], temperature)  # one fused op: ~2x faster than logsumexp on CPU
+        logp[s:e] = log_p.gather(1, tok).squeeze(1)
+        if with_entropy:  # -sum p log p: no cancellation when p is peaked
             entropy[s:e] = -(torch.exp(log_p) * log_p).sum(-1)
-            logp[s:e] = log_p.gather(1, tok).squeeze(1)
-            lse[s:e] = z.gather(1, tok).squeeze(1) - logp[s:e]
-        else:  # one fused log_softmax is ~2x faster on CPU than logsumexp's separate passes
-            logp[s:e] = torch.log_softmax(z, dim=-1).gather(1, tok).squeeze(1)
-            lse[s:e] = z.gather(1, tok).squeeze(1) - logp[s:e]
+            # logsumexp(z) = z_x - log p(x), kept for backward
+            lse[s:e] = logits[s:e].gather(1, tok).squeeze(1).float() / temperature - logp[s:e]
     return logp, entropy, lse
 
 

@@ -7,8 +7,9 @@
 - `FullLayout`: every policy weight trains; a frozen copy is the reference and the critic is its own
   backbone copy (from the policy or from another checkpoint such as the reward model) with a value head.
 
-Both run the backbone (`lm.base_model`) themselves and apply the LM head only to the positions that
-predict response tokens, so prompt positions never cost a (P, V) projection. Everything stays in eval
+Both run the backbone (`lm.base_model`) themselves and return the hidden states of the positions that
+predict response tokens; the trainer applies the LM head (`logits`) to them in row chunks, so prompt
+positions never cost a (P, V) projection and scoring never holds a (B, T, V) tensor. Everything stays in eval
 mode — dropout is off, which PPO's ratio needs — and gradient checkpointing is switched on per decoder
 layer without putting any module in training mode.
 """
@@ -65,6 +66,7 @@ def enable_gradient_checkpointing(lm: nn.Module) -> None:
             module.training = True
 
 
+@torch.no_grad()
 def _merged_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of a Linear; for a LoRA Linear, base + the active adapter's delta (a new tensor)."""
     if not isinstance(module, LoraLayer):
@@ -115,9 +117,13 @@ class Layout(Protocol):
     def decoder(self) -> contextlib.AbstractContextManager[Decoder]: ...  # the policy, for the sampler
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int
-                ) -> tuple[torch.Tensor, torch.Tensor]: ...  # logits (B, T, V), values (B, T) fp32
+                ) -> tuple[torch.Tensor, torch.Tensor]: ...  # policy hidden (B, T, H), values (B, T) fp32
 
-    def ref_logits(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor: ...
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # policy LM head: (..., H) -> (..., V)
+
+    def ref_forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor: ...  # hidden
+
+    def ref_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]: ...
 
@@ -163,19 +169,24 @@ class LoraLayout:
 
     def forward(self, ids, mask, n_resp):
         hidden = response_hidden(self.backbone, ids, mask, n_resp)
-        logits = self.policy_model.get_output_embeddings()(hidden)
         if not self.value_adapter:
-            return logits, self.value_head(hidden)
+            return hidden, self.value_head(hidden)
         self._use_adapter("critic")
         try:
             critic_hidden = response_hidden(self.backbone, ids, mask, n_resp)
         finally:
             self._use_adapter("default")
-        return logits, self.value_head(critic_hidden)
+        return hidden, self.value_head(critic_hidden)
 
-    def ref_logits(self, ids, mask, n_resp):
+    def logits(self, hidden):
+        return self.policy_model.get_output_embeddings()(hidden)
+
+    def ref_forward(self, ids, mask, n_resp):
         with self.peft.disable_adapter():
-            hidden = response_hidden(self.backbone, ids, mask, n_resp)
+            return response_hidden(self.backbone, ids, mask, n_resp)
+
+    def ref_logits(self, hidden):
+        with self.peft.disable_adapter():  # matters only when the LM head itself has an adapter
             return self.policy_model.get_output_embeddings()(hidden)
 
     def named_trainable(self):
@@ -206,13 +217,16 @@ class FullLayout:
         return contextlib.nullcontext(decoder_for(self.policy_model))
 
     def forward(self, ids, mask, n_resp):
-        hidden = response_hidden(self.policy_backbone, ids, mask, n_resp)
-        logits = self.policy_model.get_output_embeddings()(hidden)
         values = self.value_head(response_hidden(self.critic, ids, mask, n_resp))
-        return logits, values
+        return response_hidden(self.policy_backbone, ids, mask, n_resp), values
 
-    def ref_logits(self, ids, mask, n_resp):
-        hidden = response_hidden(self.reference.base_model, ids, mask, n_resp)
+    def logits(self, hidden):
+        return self.policy_model.get_output_embeddings()(hidden)
+
+    def ref_forward(self, ids, mask, n_resp):
+        return response_hidden(self.reference.base_model, ids, mask, n_resp)
+
+    def ref_logits(self, hidden):
         return self.reference.get_output_embeddings()(hidden)
 
     def named_trainable(self):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ppoforge.lm.decoders import Decoder, decoder_for
-from ppoforge.lm.logprobs import token_logprobs
+from ppoforge.lm.logprobs import scaled_log_softmax
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,14 @@ def _draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tupl
     Inversion needs B random numbers per step where Gumbel-max or torch.multinomial need B * V, and
     CPU random number generation costs more than the cumsum.
     """
-    z = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
-    cdf = torch.softmax(z, dim=-1).cumsum_(-1)  # (B, V)
+    logp_all = scaled_log_softmax(logits, params.temperature)  # (B, V) fp32, the trainer's distribution
+    if params.top_k or params.top_p < 1.0:
+        cdf = torch.softmax(filter_logits(logp_all, params.top_k, params.top_p), dim=-1).cumsum_(-1)
+    else:
+        cdf = logp_all.exp().cumsum_(-1)
     # right=True skips zero-probability (filtered) tokens even at u = 0
-    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-    tok = tok.clamp_(max=z.shape[-1] - 1)
-    logp, _ = token_logprobs(logits, tok, params.temperature, entropy=False)
-    return tok, logp
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    return tok.squeeze(1), logp_all.gather(1, tok).squeeze(1)
 
 
 @torch.inference_mode()
@@ -75,28 +76,25 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     """Sample up to max_new_tokens per left-padded prompt (B, P); stops early once every row has stopped.
 
     `model` is a Hugging Face causal LM in eval mode (wrapped by `decoder_for`) or a ready Decoder. Run
-    it under the caller's autocast. Rows that stopped keep being fed `pad_id` (their outputs are
-    discarded), so shapes stay static for the whole loop.
+    it under the caller's autocast. A row that stopped keeps sampling (its tokens are fed back and then
+    discarded), so the loop body stays a handful of ops; masks and padding are applied once at the end.
     """
     decoder = decoder_for(model) if isinstance(model, nn.Module) else model
     batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
     logits = decoder.prefill(prompt_ids, prompt_mask, n_new)
-    ids = torch.full((batch, n_new), params.pad_id, dtype=torch.long, device=dev)
-    logp = torch.zeros(batch, n_new, dtype=torch.float32, device=dev)
-    mask = torch.zeros(batch, n_new, dtype=torch.float32, device=dev)
+    ids = torch.empty(batch, n_new, dtype=torch.long, device=dev)
+    logp = torch.empty(batch, n_new, dtype=torch.float32, device=dev)
     alive = torch.ones(batch, dtype=torch.bool, device=dev)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=dev)
-    pad = torch.full_like(alive, params.pad_id, dtype=torch.long)
     uniforms = torch.rand(n_new, batch, generator=generator, device=dev)  # one draw per row and step
     for t in range(n_new):
-        tok, tok_logp = _draw(logits, params, uniforms[t])
-        tok = torch.where(alive, tok, pad)
+        tok, logp[:, t] = _draw(logits, params, uniforms[t])
         ids[:, t] = tok
-        logp[:, t] = torch.where(alive, tok_logp, 0.0)
-        mask[:, t] = alive
         alive &= ~torch.isin(tok, stop)
         if t + 1 == n_new or not alive.any():
             break
         logits = decoder.step(tok, t)
-    n = t + 1
-    return Samples(ids[:, :n], mask[:, :n], logp[:, :n], ~alive)
+    ids, logp = ids[:, :t + 1], logp[:, :t + 1]
+    is_stop = torch.isin(ids, stop)
+    mask = (is_stop.cumsum(1) - is_stop.long()) == 0  # no stop token strictly before t
+    return Samples(ids.masked_fill(~mask, params.pad_id), mask.float(), logp * mask, ~alive)

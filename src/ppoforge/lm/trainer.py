@@ -68,6 +68,7 @@ class RLHFTrainer:
         self.gen = torch.Generator(self.c.device).manual_seed(cfg.seed)
         self.update = 0   # completed updates
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
+        self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -95,7 +96,9 @@ class RLHFTrainer:
         """Row indices of the next batch: epoch e visits the prompts in a permutation seeded by (seed, e)."""
         n, out = len(self.c.prompt_ids), []
         for i in range(self.cursor, self.cursor + self.cfg.batch_size):
-            out.append(int(np.random.default_rng([self.cfg.seed, i // n]).permutation(n)[i % n]))
+            if self._order[0] != i // n:
+                self._order = (i // n, np.random.default_rng([self.cfg.seed, i // n]).permutation(n))
+            out.append(int(self._order[1][i % n]))
         self.cursor += self.cfg.batch_size
         return out
 
@@ -119,16 +122,20 @@ class RLHFTrainer:
             scores = self.c.score(prompts, texts, samples.finished.tolist(), rows)
         return scores.to(self.c.device)
 
+    def _chunked_logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+        """fp32 log-probs of resp (B, T) from hidden (B, T, H), the LM head applied micro-batch by micro-batch."""
+        step = self.cfg.micro_batch_size
+        return torch.cat([token_logprobs(head(hidden[s:s + step]), resp[s:s + step], self.cfg.temperature,
+                                         entropy=False)[0] for s in range(0, resp.shape[0], step)])
+
     @torch.inference_mode()
     def evaluate(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
         """Old log-probs and values (one policy pass), reference log-probs (one pass), all fp32."""
-        n, tau = samples.response_ids.shape[1], self.cfg.temperature
+        n, resp = samples.response_ids.shape[1], samples.response_ids
         with self.precision.autocast():
-            logits, values = self.layout.forward(ids, mask, n)
-            logp, _ = token_logprobs(logits, samples.response_ids, tau, entropy=False)
-            del logits
-            ref_logp, _ = token_logprobs(self.layout.ref_logits(ids, mask, n), samples.response_ids, tau,
-                                         entropy=False)
+            hidden, values = self.layout.forward(ids, mask, n)
+            logp = self._chunked_logprobs(self.layout.logits, hidden, resp)
+            ref_logp = self._chunked_logprobs(self.layout.ref_logits, self.layout.ref_forward(ids, mask, n), resp)
         m = samples.response_mask
         return Rollout(ids, mask, samples.response_ids, m, logp * m, ref_logp * m, values * m, scores)
 
@@ -145,7 +152,8 @@ class RLHFTrainer:
                 for micro in mb.split(cfg.micro_batch_size):
                     m = b.resp_mask[micro]
                     with self.precision.autocast():
-                        logits, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
+                        hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
+                        logits = self.layout.logits(hidden)
                     logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
                     pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
                     v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
