@@ -3,6 +3,7 @@
   ppoforge train control --preset cartpole --total-steps 200000 --seed 3
   ppoforge train control --resume runs/CartPole-v1-s3-20261129-201500
   ppoforge eval RUN_DIR --episodes 20
+  ppoforge demo
   ppoforge train rlhf --preset demo --total-updates 40
   ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
 
@@ -98,6 +99,13 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from ppoforge.lm.demo import run_demo
+
+    run_demo(Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, "demo"), overrides_from_args(args))
+    return 0
+
+
 def _cmd_doctor(args) -> int:
     from ppoforge.doctor.runner import Options, main, parse_require
 
@@ -141,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     rlhf.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
     add_config_arguments(rlhf, RLHFConfig)
     rlhf.set_defaults(func=_cmd_train_rlhf)
+
+    demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline")
+    demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo-<time>)")
+    demo.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
+    add_config_arguments(demo, RLHFConfig)
+    demo.set_defaults(func=_cmd_demo)
 
     ev = sub.add_parser("eval", help="evaluate a control run: mean ± std return")
     ev.add_argument("run_dir", help="a run dir written by `ppoforge train control`")
