@@ -121,3 +121,16 @@ def tiny_reward_model_dir(tmp_path_factory, tiny_lm_dir):
     torch.manual_seed(1)
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """The built-in SmolLM2 checkpoint, built once per session into a temporary PPOFORGE_CACHE root."""
+    from ppoforge.lm import smollm2
+
+    root = tmp_path_factory.mktemp("ppoforge-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PPOFORGE_CACHE", str(root))
+        smollm2.ensure_cached()
+    return root
+

