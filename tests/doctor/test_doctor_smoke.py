@@ -51,9 +51,9 @@ def test_bf16_step_on_a_pre_ampere_gpu_warns():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_requested_on_a_cpu_machine_fails():
+def test_cuda_requested_on_a_cpu_machine_fails(tmp_path):
     assert check_precision_step("bf16", "cuda").status == "fail"
-    assert check_lm_smoke("cuda", "fp32").status == "fail"
+    assert check_lm_smoke("cuda", "fp32", tmp_path).status == "fail"
 
 
 def test_control_smoke_failure_gives_the_command_to_reproduce(tmp_path):
@@ -78,23 +78,28 @@ def test_control_smoke_runs_trains_and_resumes(tmp_path):
     assert torch.get_num_threads() == threads
 
 
-def test_lm_smoke_without_transformers_names_the_extra():
-    def missing(device, precision):
+def test_lm_smoke_without_transformers_names_the_extra(tmp_path):
+    def missing(device, precision, run_dir):
         raise ImportError("No module named 'transformers'")
-    r = check_lm_smoke("cpu", "fp32", step=missing)
+    r = check_lm_smoke("cpu", "fp32", tmp_path, run=missing)
     assert r.status == "fail" and "ppoforge[lm]" in r.fix
 
 
-def test_lm_smoke_non_finite_loss_fails():
-    r = check_lm_smoke("cpu", "bf16", step=lambda d, p: StepOutcome(math.inf, True, "bfloat16", 3))
-    assert r.status == "fail"
+def test_lm_smoke_broken_promise_fails_with_a_command_to_reproduce(tmp_path):
+    from ppoforge.doctor.smoke import SmokeFailure
+
+    def frozen_moved(device, precision, run_dir):
+        raise SmokeFailure("frozen (reference/base) parameters changed")
+    r = check_lm_smoke("cpu", "bf16", tmp_path, run=frozen_moved)
+    assert r.status == "fail" and "reference/base" in r.evidence and "ppoforge train rlhf" in r.fix
 
 
 @pytest.mark.slow
-def test_lm_smoke_tiny_qwen2_step_on_cpu():
-    r = check_lm_smoke("cpu", "bf16")
+def test_lm_smoke_runs_the_real_trainer_and_resumes(tmp_path):
+    r = check_lm_smoke("cpu", "bf16", tmp_path)
     assert r.status == "ok", r.evidence
-    assert "logits bfloat16, fp32 log-probs" in r.evidence and "params changed" in r.evidence
+    assert "2 updates" in r.evidence and "base/reference unchanged" in r.evidence
+    assert "ran to update 3" in r.evidence
 
 
 def test_plain_sgd_works_under_a_real_grad_scaler():

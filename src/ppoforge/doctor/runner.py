@@ -120,7 +120,7 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("root", lambda: security.check_root(os.geteuid())),
         ("jupyter", lambda: security.check_jupyter(*security.gather_jupyter())),
         ("control_smoke", lambda: smoke.check_control_smoke(opts.device, opts.precision, workdir)),
-        ("lm_smoke", lambda: smoke.check_lm_smoke(opts.device, opts.precision)),
+        ("lm_smoke", lambda: smoke.check_lm_smoke(opts.device, opts.precision, workdir)),
     ]
     return checks
 

@@ -2,9 +2,8 @@
 
 Every check here trains something for real on the selected device and precision and asserts the three
 things that catch silent breakage: the loss is finite, the parameters changed, and (for control PPO)
-the checkpoint resumes to the identical state. `lm_smoke_step` is a stand-in until the LM trainer
-exists: one policy-gradient step of a tiny random Qwen2 with log-probs in fp32; swap it for the real
-trainer's smoke run, keeping the check name `lm_smoke` (the *LM RLHF* verdict depends on it).
+the checkpoint resumes. The LM smoke run is the real `ppoforge train rlhf` trainer (LoRA layout) on a
+tiny random-init Qwen2 with a tokenizer trained on the spot (`lm/tiny.py`): no download needed.
 """
 
 from __future__ import annotations
@@ -136,9 +135,9 @@ def _expect(condition: bool, message: str) -> None:
         raise SmokeFailure(message)
 
 
-def _finite_losses(metrics_path: Path) -> tuple[bool, int]:
+def _finite_losses(metrics_path: Path, prefix: str = "losses/") -> tuple[bool, int]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    values = [v for row in rows for k, v in row.items() if k.startswith("losses/")]
+    values = [v for row in rows for k, v in row.items() if k.startswith(prefix)]
     finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
     return finite and bool(values), len(rows)
 
@@ -190,45 +189,65 @@ def check_control_smoke(device: str, precision: str, workdir: Path,
                     f"--num-envs 2 --num-steps 16 --device {device} --precision {precision}")
 
 
-# ---- LM smoke step (stand-in for the LM trainer's smoke run) --------------------------------------
-def lm_smoke_step(device: torch.device, precision_name: str) -> StepOutcome:
-    """One policy-gradient step of a tiny random-init Qwen2 (hidden 32, 2 layers, vocab 128)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = Qwen2ForCausalLM(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 128, (2, 12), device=device)  # (B, T)
-    adv = torch.randn(2, 11, device=device)                # (B, T-1)
-
-    def loss_fn(m):
-        logits = m(input_ids=ids).logits  # (B, T, V) in the autocast dtype
-        # log-probs in fp32: a bf16 log_softmax over the vocab is off by ~1e-2, enough to bias the ratio
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return {"loss": -(logp * adv).mean(), "compute": logits}
-
-    return train_steps(model, optimizer, make_precision(precision_name, device), loss_fn)
+# ---- LM smoke run: the real RLHF trainer on a tiny random-init model --------------------------------
+LM_SMOKE = {"layout": "lora", "prompts": "demo", "heldout_prompts": None, "reward": "length:6",
+            "batch_size": 4, "mini_batch_size": 4, "micro_batch_size": 2, "ppo_epochs": 1,
+            "max_new_tokens": 6, "max_prompt_tokens": 32, "lora_r": 4, "learning_rate": 1e-2,
+            "progress": False, "tensorboard": False, "checkpoint_every": 1, "seed": 1}
 
 
-def check_lm_smoke(device_name: str, precision: str,
-                   step: Callable[[torch.device, str], StepOutcome] = lm_smoke_step) -> CheckResult:
-    name = "lm_smoke"
-    device, error = _device(device_name)
-    if device is None:
-        return fail(name, error, "--device cpu, or see gpu_visibility")
+def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
+    """Two PPO updates of `ppoforge train rlhf` (LoRA layout) on a tiny Qwen2, then resume for a third."""
+    from transformers.utils import logging as hf_logging
+
+    from ppoforge.config import build_config
+    from ppoforge.lm.config import RLHFConfig
+    from ppoforge.lm.tiny import save_tiny_lm
+    from ppoforge.lm.trainer import CHECKPOINT, RLHFTrainer
+    from ppoforge.runtime.checkpoint import load_checkpoint
+
+    hf_logging.disable_progress_bar()  # the doctor's table, not transformers' load/save bars
+    threads = torch.get_num_threads()
+    model_dir = save_tiny_lm(Path(run_dir) / "tiny-model")
+    values = {**LM_SMOKE, "model": str(model_dir), "device": device, "precision": precision, "total_updates": 2}
     try:
-        out = step(device, precision)
+        trainer = RLHFTrainer(build_config(RLHFConfig, values), run_dir)
+        trained = dict(trainer.layout.named_trainable())
+        frozen = [p for n, p in trainer.layout.peft.named_parameters() if "lora_" not in n]  # base = reference
+        before = [p.detach().clone() for p in trained.values()]
+        frozen_before = [p.detach().clone() for p in frozen]
+        first = trainer.run()
+        finite, rows = _finite_losses(run_dir / "metrics.jsonl", prefix="loss/")
+        ckpt = run_dir / CHECKPOINT
+        _expect(finite, f"non-finite losses in {run_dir / 'metrics.jsonl'}")
+        _expect(any(not torch.equal(a, p) for a, p in zip(before, trained.values(), strict=True)),
+                "trainable parameters did not change")
+        _expect(all(torch.equal(a, p) for a, p in zip(frozen_before, frozen, strict=True)),
+                "frozen (reference/base) parameters changed")
+        _expect(ckpt.is_file(), "no checkpoint written")
+        resumed = RLHFTrainer(build_config(RLHFConfig, {**values, "total_updates": 3}), run_dir)
+        resumed.load(load_checkpoint(ckpt, map_location=resumed.c.device))
+        second = resumed.run()
+        _expect(second.updates == first.updates + 1, f"resume ran to update {second.updates}")
+    finally:
+        torch.set_num_threads(threads)
+    return (f"tiny Qwen2 (hidden 32, 2 layers) PPO on {trainer.c.device} / {precision}, LoRA layout: "
+            f"{first.updates} updates, {rows} metric rows with finite losses, LoRA + value head changed, "
+            f"base/reference unchanged, checkpoint {ckpt.stat().st_size // 1024} KiB; resumed at update "
+            f"{first.updates} and ran to update {second.updates}")
+
+
+def check_lm_smoke(device: str, precision: str, workdir: Path,
+                   run: Callable[[str, str, Path], str] = lm_smoke_run) -> CheckResult:
+    name = "lm_smoke"
+    try:
+        return ok(name, run(device, precision, Path(workdir) / "lm"))
     except UserError as e:
-        return fail(name, str(e), "--precision fp32 or bf16 on CPU")
+        return fail(name, f"refused on {device} / {precision}: {e}",
+                    "--device cpu / --precision fp32, or fix what gpu_visibility reports")
     except ImportError as e:
-        return fail(name, f"cannot import transformers ({e})", "pip install 'ppoforge[lm]'")
-    except Exception as e:  # noqa: BLE001 - any failure of the step is the finding
-        return fail(name, f"{type(e).__name__}: {str(e)[:300]}", "--precision fp32; see libraries_lm")
-    evidence = (f"tiny Qwen2 (hidden 32, 2 layers, vocab 128) on {device} / {precision}: "
-                f"{out.steps} step(s), logits {out.compute_dtype}, fp32 log-probs, loss {out.loss:.4g}, "
-                f"params {'changed' if out.changed else 'UNCHANGED'}")
-    if not math.isfinite(out.loss) or not out.changed:
-        return fail(name, evidence, "--precision fp32; if that fails too, see libraries_lm")
-    return ok(name, evidence)
+        return fail(name, f"cannot import the LM stack ({e})", "pip install 'ppoforge[lm]'")
+    except Exception as e:  # noqa: BLE001 - any failure of the run is the finding
+        return fail(name, f"{type(e).__name__}: {str(e)[:300]}",
+                    f"see the traceback of: ppoforge train rlhf --preset tiny --model <a small model dir> "
+                    f"--device {device} --precision {precision} --total-updates 2")
