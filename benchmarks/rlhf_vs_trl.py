@@ -5,7 +5,11 @@ time TRL (trl_ppo_worker.py, in its own venv) and ppoforge (ppoforge_rlhf_worker
 interpreter) in a fresh subprocess per measurement, so each peak RSS belongs to one run. Both sides
 use the same thread count, the same warm-up and the same median-of-N timing of whole PPO updates
 (rollout + scoring + GAE + update). Machines are shared and noisy: read the ratios, which are measured
-back to back under the same load, not the absolute seconds.
+back to back, not the absolute seconds. Load does not stretch both sides alike, though: on 2 cores a
+foreign job preempts one of the 2 OpenMP threads and every parallel op then waits for it, so code made
+of many small ops (TRL's HF generate loop) slows far more than ppoforge's (seen: TRL tiny 0.5 s quiet,
+10+ s under ~1.3 cores of other load). So each run waits for a quiet machine (--quiet-wait), records
+the other jobs' CPU use during it, prefers quiet rounds, and flags rows that had none.
 
 TRL lives in .bench-venvs/trl (git-ignored), created here on first use: TORCH_SPEC (default
 torch==2.13.0, the CPU wheel; a bare `torch` would pull a multi-GB CUDA build), then trl==1.12.* (the
@@ -30,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_REQS = ["trl==1.12.*", "transformers==5.17.*"]
+BUSY = 0.3  # cores of other load above which a run is flagged as unreliable
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,7 +83,7 @@ def busy_seconds() -> tuple[float, float]:
     return (sum(fields[:8]) - idle) / tick, time.monotonic()
 
 
-def wait_for_quiet(max_wait: float, threshold: float = 0.3) -> float:
+def wait_for_quiet(max_wait: float, threshold: float = BUSY) -> float:
     """Wait (up to max_wait s) until other processes use < threshold cores; returns the seconds waited."""
     start = time.monotonic()
     while True:
@@ -120,15 +125,17 @@ def run_worker(cmd: list[str], args: argparse.Namespace) -> dict:
 
 
 def combine(meta: dict, runs: list[dict]) -> dict:
-    """One row from a configuration's rounds: median of the per-round medians, the highest peak RSS."""
+    """One row from a configuration's rounds: the median of the per-round medians over the quiet rounds
+    (other load <= BUSY) when there are any, else over all rounds; the highest peak RSS."""
     good = [r for r in runs if "error" not in r]
     if not good:
         return {**meta, "error": runs[-1]["error"], "rounds": runs}
-    median = statistics.median(r["median_s"] for r in good)
+    used = [r for r in good if r["other_load_cores"] <= BUSY] or good
+    median = statistics.median(r["median_s"] for r in used)
     samples = good[0]["samples_per_s"] * good[0]["median_s"]  # prompts per update
     return {**meta, "median_s": median, "samples_per_s": samples / median,
-            "median_cpu_s": statistics.median(r["median_cpu_s"] for r in good),
-            "other_load_cores": max(r["other_load_cores"] for r in good),
+            "median_cpu_s": statistics.median(r["median_cpu_s"] for r in used),
+            "other_load_cores": max(r["other_load_cores"] for r in used), "rounds_used": len(used),
             "peak_rss_gib": max(r["peak_rss_gib"] for r in good), "versions": good[0].get("versions"),
             "failed_rounds": len(runs) - len(good), "rounds": runs}
 
@@ -172,7 +179,11 @@ def table(results: list[dict]) -> str:
         rows.append(f"{head} {r['median_s']:.3f} | {r['samples_per_s']:.2f} | "
                     f"{ratio(ref['median_s'], r['median_s'])} | {r['median_cpu_s']:.2f} | "
                     f"{ratio(ref['median_cpu_s'], r['median_cpu_s'])} | {r['peak_rss_gib']:.2f} | "
-                    f"{ratio(r['peak_rss_gib'], ref['peak_rss_gib'])} | {r['other_load_cores']:.2f} |")
+                    f"{ratio(r['peak_rss_gib'], ref['peak_rss_gib'])} | {r['other_load_cores']:.2f}"
+                    f"{' ⚠' if r['other_load_cores'] > BUSY else ''} |")
+    if any(r.get("other_load_cores", 0) > BUSY for r in results):
+        rows.append(f"\n⚠ other jobs used more than {BUSY} cores during every round of this row: its time "
+                    "is stretched, TRL's most (many small multi-threaded ops); do not trust its ratio.")
     return "\n".join(rows)
 
 
