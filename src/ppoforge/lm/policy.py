@@ -49,7 +49,8 @@ def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
     """Last hidden states (B, T, H) at the positions that predict the T response tokens of (B, P + T)."""
     out = backbone(input_ids=ids, attention_mask=as_attention_bias(causal_mask(mask), backbone),
                    position_ids=position_ids(mask), use_cache=False)
-    return out.last_hidden_state[:, -n_resp - 1:-1]
+    # contiguous: a strided 3D input makes matmul fall back to bmm over a (B, H, V) copy of the LM head
+    return out.last_hidden_state[:, -n_resp - 1:-1].contiguous()
 
 
 def enable_gradient_checkpointing(lm: nn.Module) -> None:
