@@ -45,25 +45,32 @@ def _new_run_dir(root: str, name: str) -> Path:
     return path
 
 
+def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]:
+    """--resume: the run dir's saved config plus CLI overrides; else preset plus overrides, new run dir."""
+    overrides = overrides_from_args(args)
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = load_saved_config(cls, run_dir / "config.yaml")
+        return build_config(cls, {**vars(saved), **overrides}), run_dir
+    values = read_preset(args.preset, domain) if args.preset else {}
+    cfg = build_config(cls, {**values, **overrides})
+    return cfg, Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, run_name(cfg))
+
+
+def _status(stopped_by: str | None) -> str:
+    return f"stopped by {stopped_by}, checkpoint saved" if stopped_by else "done"
+
+
 def _cmd_train_control(args) -> int:
     from ppoforge.control.config import ControlConfig
     from ppoforge.control.trainer import train
 
-    overrides = overrides_from_args(args)
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = load_saved_config(ControlConfig, run_dir / "config.yaml")
-        cfg = build_config(ControlConfig, {**vars(saved), **overrides})
-    else:
-        values = read_preset(args.preset, "control") if args.preset else {}
-        cfg = build_config(ControlConfig, {**values, **overrides})
-        run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, f"{cfg.env_id}-s{cfg.seed}")
+    cfg, run_dir = _config_and_run_dir(args, ControlConfig, "control", lambda c: f"{c.env_id}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     recent = result.recent_returns[-20:]
     mean = sum(recent) / len(recent) if recent else float("nan")
-    status = f"stopped by {result.stopped_by}, checkpoint saved" if result.stopped_by else "done"
-    print(f"{status}: {result.global_step:,} steps, mean return of last {len(recent)} episodes "
-          f"{mean:.1f}; run dir {result.run_dir}")
+    print(f"{_status(result.stopped_by)}: {result.global_step:,} steps, mean return of last {len(recent)} "
+          f"episodes {mean:.1f}; run dir {result.run_dir}")
     return 0
 
 
@@ -71,20 +78,11 @@ def _cmd_train_rlhf(args) -> int:
     from ppoforge.lm.config import RLHFConfig
     from ppoforge.lm.trainer import train
 
-    overrides = overrides_from_args(args)
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = load_saved_config(RLHFConfig, run_dir / "config.yaml")
-        cfg = build_config(RLHFConfig, {**vars(saved), **overrides})
-    else:
-        values = read_preset(args.preset, "rlhf") if args.preset else {}
-        cfg = build_config(RLHFConfig, {**values, **overrides})
-        run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, f"rlhf-{cfg.layout}-s{cfg.seed}")
+    cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
-    status = f"stopped by {result.stopped_by}, checkpoint saved" if result.stopped_by else "done"
     score = result.last_metrics.get("objective/scores", float("nan"))
-    print(f"{status}: {result.updates} updates ({result.episodes:,} episodes), last mean score {score:.3f}; "
-          f"run dir {result.run_dir}")
+    print(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
+          f"last mean score {score:.3f}; run dir {result.run_dir}")
     return 0
 
 

@@ -21,7 +21,6 @@ import datasets
 import huggingface_hub.constants
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -32,6 +31,8 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
+from ppoforge.lm.tiny import bpe_tokenizer
+
 WORDS = """\
 the a an i you we it my your this that is was are be and but or so very not no yes of to in on at
 for with about today day morning night weather food movie book review sentence one write describe tell
@@ -41,8 +42,6 @@ worst angry ugly poor broken late ok fine just really quite user assistant syste
 . , ! ?""".split()  # noqa: SIM905 - a word list reads better as text
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-QWEN2_PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SIZE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=256, max_position_embeddings=512)
 
@@ -53,18 +52,9 @@ def make_tokenizer(specials: list[str], **special_roles) -> PreTrainedTokenizerF
     Byte-level because transformers 5 rebuilds any qwen2 checkpoint's tokenizer as a `Qwen2Tokenizer`
     from tokenizer.json's vocab and merges; any other tokenizer model would silently break there.
     """
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
     rng = random.Random(0)
     corpus = [" ".join(rng.sample(WORDS, len(WORDS))) for _ in range(20)] + [w.capitalize() for w in WORDS]
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_roles)
+    return bpe_tokenizer(corpus, specials, 1000, **special_roles)
 
 
 @pytest.fixture

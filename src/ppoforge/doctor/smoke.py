@@ -175,18 +175,25 @@ def control_smoke_run(device: str, precision: str, run_dir: Path) -> str:
             f"resumed at update {first.updates} with identical params and ran to update {second.updates}")
 
 
-def check_control_smoke(device: str, precision: str, workdir: Path,
-                        run: Callable[[str, str, Path], str] = control_smoke_run) -> CheckResult:
-    name = "control_smoke"
+def _smoke_check(name: str, run: Callable[[str, str, Path], str], device: str, precision: str, run_dir: Path,
+                 reproduce: str) -> CheckResult:
+    """Run a smoke run and turn its outcome into a row: ok with its evidence, or fail with the fix."""
     try:
-        return ok(name, run(device, precision, Path(workdir) / "control"))
+        return ok(name, run(device, precision, run_dir))
     except UserError as e:
-        return fail(name, f"config refused on {device} / {precision}: {e}",
+        return fail(name, f"refused on {device} / {precision}: {e}",
                     "--device cpu / --precision fp32, or fix what gpu_visibility reports")
+    except ImportError as e:
+        return fail(name, f"cannot import what the run needs ({e})", "pip install 'ppoforge[lm]'")
     except Exception as e:  # noqa: BLE001 - any failure of the run is the finding
         return fail(name, f"{type(e).__name__}: {str(e)[:300]}",
-                    f"see the traceback of: ppoforge train control --preset cartpole --total-steps 64 "
-                    f"--num-envs 2 --num-steps 16 --device {device} --precision {precision}")
+                    f"see the traceback of: {reproduce} --device {device} --precision {precision}")
+
+
+def check_control_smoke(device: str, precision: str, workdir: Path,
+                        run: Callable[[str, str, Path], str] = control_smoke_run) -> CheckResult:
+    return _smoke_check("control_smoke", run, device, precision, Path(workdir) / "control",
+                        "ppoforge train control --preset cartpole --total-steps 64 --num-envs 2 --num-steps 16")
 
 
 # ---- LM smoke run: the real RLHF trainer on a tiny random-init model --------------------------------
@@ -239,15 +246,5 @@ def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
 
 def check_lm_smoke(device: str, precision: str, workdir: Path,
                    run: Callable[[str, str, Path], str] = lm_smoke_run) -> CheckResult:
-    name = "lm_smoke"
-    try:
-        return ok(name, run(device, precision, Path(workdir) / "lm"))
-    except UserError as e:
-        return fail(name, f"refused on {device} / {precision}: {e}",
-                    "--device cpu / --precision fp32, or fix what gpu_visibility reports")
-    except ImportError as e:
-        return fail(name, f"cannot import the LM stack ({e})", "pip install 'ppoforge[lm]'")
-    except Exception as e:  # noqa: BLE001 - any failure of the run is the finding
-        return fail(name, f"{type(e).__name__}: {str(e)[:300]}",
-                    f"see the traceback of: ppoforge train rlhf --preset tiny --model <a small model dir> "
-                    f"--device {device} --precision {precision} --total-updates 2")
+    return _smoke_check("lm_smoke", run, device, precision, Path(workdir) / "lm",
+                        "ppoforge train rlhf --preset tiny --model <a small model dir> --total-updates 2")

@@ -28,7 +28,8 @@ def _corpus() -> list[str]:
     return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
 
 
-def tiny_tokenizer(vocab_size: int = 512):
+def bpe_tokenizer(corpus: list[str], specials: list[str], vocab_size: int, **special_roles):
+    """A byte-level BPE with Qwen2's pre-tokenizer, trained on `corpus` (any text round-trips)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,10 +39,14 @@ def tiny_tokenizer(vocab_size: int = 512):
         pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(_corpus(), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_roles)
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    tok = bpe_tokenizer(_corpus(), SPECIALS, vocab_size, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
