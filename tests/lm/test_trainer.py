@@ -123,7 +123,8 @@ def test_first_minibatch_ratio_is_one_and_sampler_matches_recomputation(cfg_for,
 def test_bf16_ratio_close_to_one(cfg_for, tmp_path):
     trainer = RLHFTrainer(cfg_for(precision="bf16"), tmp_path, reward_fn=word_reward)
     metrics, _ = trainer.train_one_update()
-    # bf16 forwards of a micro-batch of 2 vs the scoring batch of 4 round differently; measured ~1e-3
+    # measured on CPU: exactly 1 (the micro-batch forward rounds as the scoring pass did); the bound
+    # leaves room for kernels whose bf16 rounding depends on the batch size
     assert abs(metrics["val/ratio"] - 1) < 1e-2 and metrics["policy/approxkl_avg"] < 1e-3
 
 

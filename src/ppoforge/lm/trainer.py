@@ -285,5 +285,6 @@ def train(cfg: RLHFConfig, run_dir: Path, resume: bool = False, reward_fn=None) 
     """Train (or, with resume, continue) an RLHF run in `run_dir`. `reward_fn` overrides cfg.reward."""
     trainer = RLHFTrainer(cfg, run_dir, reward_fn)
     if resume:
-        trainer.load(load_checkpoint(Path(run_dir) / CHECKPOINT, map_location=trainer.c.device))
+        # on CPU: generator states must be CPU tensors; optimizer state moves to its params' device itself
+        trainer.load(load_checkpoint(Path(run_dir) / CHECKPOINT, map_location="cpu"))
     return trainer.run()
