@@ -61,7 +61,8 @@ def _frozen(trainer):
 
 @pytest.mark.parametrize("overrides", [
     dict(layout="lora"),
-    dict(layout="lora", value_adapter=True, kl_estimator="k3", kl_target=0.01, kl_horizon=10),
+    # zero value head -> critic LoRA B -> critic LoRA A: gradients reach A from the third step on
+    dict(layout="lora", value_adapter=True, kl_estimator="k3", kl_target=0.01, kl_horizon=10, mini_batch_size=2),
     dict(layout="full", learning_rate=1e-3),
 ], ids=["lora", "lora-value-adapter-adaptive-k3", "full"])
 def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, overrides):
@@ -235,3 +236,10 @@ def test_gradient_checkpointing_recomputes_layers_in_backward(tiny_lm_dir, enabl
     assert len(calls) == (2 if enabled else 1)
     assert all(not m.training for m in layout.policy_model.base_model.layers[0].modules()
                if m is not layout.policy_model.base_model.layers[0])  # only the layer's own flag is set
+
+
+def test_missing_eos_penalty_lowers_unfinished_scores(cfg_for, tmp_path):
+    trainer = RLHFTrainer(cfg_for(missing_eos_penalty=2.5, max_new_tokens=2), tmp_path,
+                          reward_fn=lambda p, c, **k: [1.0] * len(c))
+    _, table = trainer.train_one_update()  # 2 new tokens: almost every completion runs out
+    assert {round(r["score"], 6) for r in table} <= {1.0, -1.5} and any(r["score"] == -1.5 for r in table)

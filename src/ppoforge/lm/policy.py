@@ -32,12 +32,17 @@ from ppoforge.lm.decoders import Decoder, HFDecoder, LlamaDecoder, decoder_for, 
 
 
 class ValueHead(nn.Module):
-    """Linear(hidden, 1) computed in fp32 on the last hidden states."""
+    """Linear(hidden, 1) computed in fp32 on the last hidden states.
+
+    Zero-initialized: the first values are 0 and, on a shared trunk, the first value-loss gradients
+    reach the trunk (the policy's adapters) only as the head grows, instead of a random head's large
+    error pushing the policy around (and inflating Adam's second moments) before it has learned anything.
+    """
 
     def __init__(self, hidden: int):
         super().__init__()
         self.linear = nn.Linear(hidden, 1)
-        nn.init.normal_(self.linear.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

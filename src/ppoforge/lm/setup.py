@@ -97,9 +97,7 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if reward_fn is None:
-        spec = cfg.reward + (f",eos_penalty:{cfg.missing_eos_penalty}" if cfg.missing_eos_penalty else "")
-        weights = cfg.reward_weights + ",1" if cfg.reward_weights and cfg.missing_eos_penalty else cfg.reward_weights
-        reward_fn, name = build_reward(spec, weights, device=device), spec
+        reward_fn, name = build_reward(cfg.reward, cfg.reward_weights, device=device), cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
     return Components(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,

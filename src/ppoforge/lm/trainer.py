@@ -119,8 +119,10 @@ class RLHFTrainer:
     def score(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
         prompts = [r[self.cfg.prompt_field] for r in rows]
         with torch.inference_mode(), self.precision.autocast():
-            scores = self.c.score(prompts, texts, samples.finished.tolist(), rows)
-        return scores.to(self.c.device)
+            scores = self.c.score(prompts, texts, samples.finished.tolist(), rows).to(self.c.device)
+        if self.cfg.missing_eos_penalty:  # TRL's: completions cut off by max_new_tokens lose this much
+            scores = scores - self.cfg.missing_eos_penalty * (~samples.finished).float()
+        return scores
 
     def _chunked_logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
         """fp32 log-probs of resp (B, T) from hidden (B, T, H), the LM head applied micro-batch by micro-batch."""
