@@ -122,31 +122,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_train_parser(train_sub, domain: str, cls, help: str, run_name: str, func) -> None:
+    p = train_sub.add_parser(domain, help=help)
+    p.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets(domain))}) or a YAML file")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--run-dir", help=f"where to write the run (default: RUNS_ROOT/{run_name})")
+    p.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
+    add_config_arguments(p, cls)
+    p.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ppoforge.control.config import ControlConfig
 
     parser = _Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    train = sub.add_parser("train", help="train a policy")
-    train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)
-    control = train_sub.add_parser("control", help="PPO on a gymnasium control task")
-    control.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets('control'))}) "
-                         "or a YAML file")
-    control.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
-    control.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/<env>-s<seed>-<time>)")
-    control.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
-    add_config_arguments(control, ControlConfig)
-    control.set_defaults(func=_cmd_train_control)
     from ppoforge.lm.config import RLHFConfig
 
-    rlhf = train_sub.add_parser("rlhf", help="PPO RLHF of a causal LM against a reward")
-    rlhf.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets('rlhf'))}) or a YAML file")
-    rlhf.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
-    rlhf.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/rlhf-<layout>-s<seed>-<time>)")
-    rlhf.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
-    add_config_arguments(rlhf, RLHFConfig)
-    rlhf.set_defaults(func=_cmd_train_rlhf)
+    train = sub.add_parser("train", help="train a policy")
+    train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)
+    _add_train_parser(train_sub, "control", ControlConfig, "PPO on a gymnasium control task",
+                      "<env>-s<seed>-<time>", _cmd_train_control)
+    _add_train_parser(train_sub, "rlhf", RLHFConfig, "PPO RLHF of a causal LM against a reward",
+                      "rlhf-<layout>-s<seed>-<time>", _cmd_train_rlhf)
 
     demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline")
     demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo-<time>)")
