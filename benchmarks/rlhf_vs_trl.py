@@ -183,7 +183,7 @@ def table(results: list[dict]) -> str:
                     f"{' ⚠' if r['other_load_cores'] > BUSY else ''} |")
     if any(r.get("other_load_cores", 0) > BUSY for r in results):
         rows.append(f"\n⚠ other jobs used more than {BUSY} cores during every round of this row: its time "
-                    "is stretched, TRL's most (many small multi-threaded ops); do not trust its ratio.")
+                    "is stretched (code made of many small multi-threaded ops the most); do not trust it.")
     return "\n".join(rows)
 
 
