@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ppoforge.config import param
 from ppoforge.errors import UserError
-from ppoforge.runtime.device import DEVICE_CHOICES
+from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
 
 
@@ -43,8 +43,7 @@ class ControlConfig:
     progress: bool = param(True, "show a live progress bar")
 
     def finalize(self) -> None:
-        if self.device.split(":")[0] not in DEVICE_CHOICES:
-            raise UserError(f"device: {self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        check_device_name(self.device)
         if self.batch_size < self.num_minibatches:
             raise UserError(f"num_minibatches: {self.num_minibatches} exceeds the batch size "
                             f"num_envs * num_steps = {self.batch_size}")

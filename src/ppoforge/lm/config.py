@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ppoforge.config import param
 from ppoforge.core.kl import KL_ESTIMATORS
 from ppoforge.errors import UserError
-from ppoforge.runtime.device import DEVICE_CHOICES
+from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
 
 
@@ -80,8 +80,7 @@ class RLHFConfig:
     progress: bool = param(True, "show a live progress bar")
 
     def finalize(self) -> None:
-        if self.device.split(":")[0] not in DEVICE_CHOICES:
-            raise UserError(f"device: {self.device!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+        check_device_name(self.device)
         if self.batch_size % self.mini_batch_size:
             raise UserError(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size "
                             f"{self.batch_size}; allowed: a divisor of batch_size")

@@ -129,6 +129,16 @@ def _from_pretrained(auto_cls, path: str, config: PretrainedConfig, dtype: torch
         raise UserError(f"model: cannot load weights from {path} ({_first_line(e)})") from None
 
 
+def _resolve(name_or_path: str, tokenizer: PreTrainedTokenizerBase | None, mapping, refusal: str):
+    """(local path, tokenizer, config) of a checkpoint whose config `mapping` supports, else UserError."""
+    path = resolve_model(name_or_path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+    config = _load_config(path)
+    if type(config) not in mapping:
+        raise UserError(f"model: {path} is a {config.model_type} model, {refusal}")
+    return path, tokenizer, config
+
+
 def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu",
                    tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """A causal LM with dropout off, in eval mode, its embeddings sized for `tokenizer`.
@@ -136,12 +146,9 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device
     `tokenizer` defaults to `load_tokenizer(name_or_path)`; pass the policy's tokenizer when loading a
     reference or value model so all of them agree on the (possibly added) pad token.
     """
-    path = resolve_model(name_or_path)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-    config = _load_config(path)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise UserError(f"model: {path} is a {config.model_type} model, not a causal LM; allowed: "
-                        "a checkpoint AutoModelForCausalLM can load (e.g. llama, qwen2, gpt2)")
+    path, tokenizer, config = _resolve(name_or_path, tokenizer, MODEL_FOR_CAUSAL_LM_MAPPING,
+                                       "not a causal LM; allowed: a checkpoint AutoModelForCausalLM can load "
+                                       "(e.g. llama, qwen2, gpt2)")
     _zero_dropout_config(config)
     model = _finish(_from_pretrained(AutoModelForCausalLM, path, config, dtype), tokenizer, device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -155,12 +162,9 @@ def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, dev
     A trained classifier with more than one label is refused. A plain LM checkpoint loads with a
     freshly initialized score head (the starting point for training a reward model).
     """
-    path = resolve_model(name_or_path)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-    config = _load_config(path)
-    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
-        raise UserError(f"model: {path} is a {config.model_type} model, which has no sequence-classification "
-                        "head; allowed: a checkpoint AutoModelForSequenceClassification can load")
+    path, tokenizer, config = _resolve(name_or_path, tokenizer, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+                                       "which has no sequence-classification head; allowed: a checkpoint "
+                                       "AutoModelForSequenceClassification can load")
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     if is_classifier and config.num_labels != 1:
         raise UserError(f"model: reward model {path} has {config.num_labels} labels; "

@@ -9,6 +9,12 @@ from ppoforge.errors import UserError
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
+def check_device_name(name: str) -> None:
+    """Config-time check of a device string (existence is checked later, by resolve_device)."""
+    if name.split(":")[0] not in DEVICE_CHOICES:
+        raise UserError(f"device: {name!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+
+
 def resolve_device(name: str) -> torch.device:
     """Turn a config string (auto, cpu, cuda, cuda:N) into a torch.device, checking it exists."""
     if name == "auto":
