@@ -147,9 +147,9 @@ def _grads_and_params_after_one_update(cfg, run_dir):
 
 @pytest.mark.parametrize("layout", ["lora", "full"])
 def test_accumulation_invariance_and_gradient_checkpointing(cfg_for, tmp_path, layout):
-    # micro-batch 4 x accumulation 1 == micro-batch 1 x accumulation 4 (== with activation recomputation)
-    base = dict(layout=layout, mini_batch_size=4, max_grad_norm=1e6)
-    g_big, p_big = _grads_and_params_after_one_update(cfg_for(micro_batch_size=4, **base), tmp_path / "a")
+    # micro-batch 8 x accumulation 1 == micro-batch 1 x accumulation 8 (== with activation recomputation)
+    base = dict(layout=layout, batch_size=8, mini_batch_size=8, max_grad_norm=1e6)
+    g_big, p_big = _grads_and_params_after_one_update(cfg_for(micro_batch_size=8, **base), tmp_path / "a")
     g_small, p_small = _grads_and_params_after_one_update(cfg_for(micro_batch_size=1, **base), tmp_path / "b")
     g_ckpt, _ = _grads_and_params_after_one_update(
         cfg_for(micro_batch_size=2, gradient_checkpointing=True, **base), tmp_path / "c")
