@@ -106,6 +106,19 @@ class LlamaDecoder:
         self.rotary = backbone.rotary_emb
         self.final_norm = backbone.norm.weight
         self.layers = [_Layer(block, linear_params) for block in backbone.layers]
+        self._cast_dtype = None  # the dtype the linear weights were last cast to (see _cast_weights)
+
+    def _cast_weights(self, dtype: torch.dtype) -> None:
+        """Under autocast, cast the linear weights once per decoder instead of in every step's F.linear:
+        autocast re-casts weights on every call (it caches only within one autocast region), which for
+        fp32 master weights reads 1.5x the bf16 bytes per token. Same values as autocast's own cast."""
+        if self._cast_dtype == dtype:
+            return
+        cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
+        for layer in self.layers:
+            for name in ("q", "k", "v", "o", "gate", "up", "down"):
+                setattr(layer, name, cast(getattr(layer, name)))
+        self.head, self._cast_dtype = cast(self.head), dtype
 
     def _norm(self, x, weight):
         return F.rms_norm(x, (self.hidden,), weight, self.eps)
@@ -148,6 +161,8 @@ class LlamaDecoder:
         x = F.embedding(prompt_ids, self.embed)
         shape = (batch, self.n_kv, total, self.head_dim)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if dtype != x.dtype:
+            self._cast_weights(dtype)
         self.k_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
         keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)

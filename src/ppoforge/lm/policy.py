@@ -74,12 +74,19 @@ def enable_gradient_checkpointing(lm: nn.Module) -> None:
 
 @torch.no_grad()
 def _merged_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a Linear; for a LoRA Linear, base + the active adapter's delta (a new tensor)."""
+    """(weight, bias) of a Linear; for a LoRA Linear, base + the active adapters' deltas (a new tensor)."""
     if not isinstance(module, LoraLayer):
         return module.weight, module.bias
     base = module.get_base_layer()
-    delta = sum(module.get_delta_weight(name).float() for name in module.active_adapters)
-    return (base.weight.float() + delta).to(base.weight.dtype), base.bias
+    weight = base.weight
+    for name in module.active_adapters:
+        if isinstance(module, LoraLinear) and not module.fan_in_fan_out and not module.use_dora.get(name):
+            # one addmm in the base's dtype: W + s * B @ A, accumulated in fp32 and rounded once
+            a, b = (m[name].weight.to(weight.dtype) for m in (module.lora_A, module.lora_B))
+            weight = torch.addmm(weight, b, a, alpha=module.scaling[name])
+        else:
+            weight = (weight.float() + module.get_delta_weight(name).float()).to(weight.dtype)
+    return weight, base.bias
 
 
 @contextlib.contextmanager

@@ -145,34 +145,41 @@ class RLHFTrainer:
     # ---- update -------------------------------------------------------------------------------------
     def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
         """ppo_epochs x shuffled mini-batches x accumulated micro-batches; token-weighted mean stats."""
-        cfg, n_resp = self.cfg, b.resp.shape[1]
+        cfg = self.cfg
         totals, n_mini = torch.zeros(len(STAT_KEYS), device=b.resp.device), 0
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(b.resp.shape[0], generator=self.gen, device=self.gen.device).to(b.resp.device)
             for mb in order.split(cfg.mini_batch_size):
                 mb_tokens = b.resp_mask[mb].sum()
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mb.split(cfg.micro_batch_size):
-                    m = b.resp_mask[micro]
-                    with self.precision.autocast():
-                        hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
-                        logits = self.layout.logits(hidden)
-                    logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
-                    pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
-                    v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
-                    ent = masked_mean(entropy, m)
-                    # Each micro-batch's mean is over its own tokens; reweight by its share of the
-                    # mini-batch's tokens so the accumulated gradient is the mini-batch token mean.
-                    share = m.sum() / mb_tokens
-                    loss = pg_loss + cfg.vf_coef * v_loss
-                    if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
-                        loss = loss - cfg.ent_coef * ent
-                    self.precision.backward(loss * share)
-                    totals += share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(),
-                                                   pg["approx_kl"], pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
+                with self.precision.weight_cache():
+                    self._accumulate(b, mb, mb_tokens, totals)
                 self.precision.step(self.optimizer, self.params, cfg.max_grad_norm)
                 n_mini += 1
         return dict(zip(STAT_KEYS, totals / n_mini, strict=True))
+
+    def _accumulate(self, b: Rollout, mb: torch.Tensor, mb_tokens: torch.Tensor, totals: torch.Tensor) -> None:
+        """Forward/backward of mini-batch rows `mb` in micro-batches; adds token-weighted stats to totals."""
+        cfg, n_resp = self.cfg, b.resp.shape[1]
+        for micro in mb.split(cfg.micro_batch_size):
+            m = b.resp_mask[micro]
+            with self.precision.autocast():
+                hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
+                logits = self.layout.logits(hidden)
+            with self.precision.full_precision():
+                logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
+                pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
+                v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
+                ent = masked_mean(entropy, m)
+                # Each micro-batch's mean is over its own tokens; reweight by its share of the
+                # mini-batch's tokens so the accumulated gradient is the mini-batch token mean.
+                share = m.sum() / mb_tokens
+                loss = pg_loss + cfg.vf_coef * v_loss
+                if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
+                    loss = loss - cfg.ent_coef * ent
+                self.precision.backward(loss * share)
+            totals += share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(),
+                                           pg["approx_kl"], pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
 
     def train_one_update(self) -> tuple[dict, list[dict]]:
         """One PPO update; returns its metrics and the completion rows for the table."""

@@ -36,6 +36,19 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
+    def weight_cache(self):
+        """An autocast region around all the micro-batches of one optimizer step. Autocast caches its
+        casts of trainable (leaf) weights until the outermost region exits, so fp32 master weights are
+        cast once per step instead of once per micro-batch. Inside it, run forwards under `autocast()`
+        and the loss and backward under `full_precision()`, exactly as they would run outside."""
+        return self.autocast()
+
+    def full_precision(self):
+        """Autocast off (inside a `weight_cache` region too)."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, enabled=False)
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
