@@ -1,5 +1,7 @@
 """The precision policy: bf16 autocast on CPU, fp16 refused off CUDA, fp32 untouched."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -44,3 +46,24 @@ def test_grad_norm_is_clipped():
     norm = precision.step(opt, [p], max_grad_norm=1.0)
     assert norm.item() == pytest.approx(5.0)
     torch.testing.assert_close(p.detach(), torch.tensor([-0.6, -0.8]))
+
+
+def test_weight_cache_casts_once_and_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    p = make_precision("bf16", torch.device("cpu"))
+
+    def grads(cached: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with p.weight_cache() if cached else contextlib.nullcontext():
+            for micro in x.split(2):
+                with p.autocast():
+                    out = model(micro)
+                with p.full_precision():
+                    assert not torch.is_autocast_enabled("cpu")
+                    p.backward(out.float().pow(2).mean())
+        return [q.grad.clone() for q in model.parameters()]
+
+    for cached, separate in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(cached, separate, rtol=0, atol=0)
