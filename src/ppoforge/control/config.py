@@ -35,6 +35,8 @@ class ControlConfig:
     normalize_reward: bool = param(False, "scale rewards by the running std of the discounted return")
     clip_obs: float = param(10.0, "clip normalized observations to +-this", gt=0)
     clip_reward: float = param(10.0, "clip normalized rewards to +-this", gt=0)
+    hand_gradients: bool = param(True, "on CPU in fp32, take minibatch gradients from the hand-derived numpy "
+                                 "path (control/handgrad.py, ~3x faster, tested equal to autograd); false: autograd")
     device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
     precision: str = param("fp32", "fp32, bf16 (CPU or CUDA) or fp16 (CUDA)", choices=PRECISION_CHOICES)
     torch_threads: int = param(1, "torch intra-op threads (tiny MLPs run fastest on one)", lo=1)

@@ -21,6 +21,7 @@ from ppoforge.config import config_to_dict, save_config
 from ppoforge.control.agent import ActorCritic, make_policy
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.envs import make_vector_env
+from ppoforge.control.handgrad import HandGradStep
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.core.advantages import gae
 from ppoforge.core.losses import policy_loss, value_loss
@@ -56,9 +57,18 @@ def _flatten(ro: Rollout, adv: np.ndarray, ret: np.ndarray, device: torch.device
     return {k: torch.from_numpy(v.reshape(keep.shape[0], *v.shape[2:])[keep]).to(device) for k, v in cols.items()}
 
 
+STAT_KEYS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl")
+
+
 def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[str, torch.Tensor],
-               cfg: ControlConfig) -> dict[str, float]:
-    """`update_epochs` passes of shuffled minibatches; returns the last epoch's mean diagnostics."""
+               cfg: ControlConfig, handgrad: HandGradStep | None = None) -> dict[str, float]:
+    """`update_epochs` passes of shuffled minibatches; returns the last epoch's mean diagnostics.
+
+    With `handgrad` (CPU, fp32) each minibatch's gradients come from the hand-derived numpy path;
+    shuffling, clipping rule, optimizer and diagnostics are the same as with autograd.
+    """
+    if handgrad is not None:
+        return _ppo_update_handgrad(handgrad, optimizer, batch, cfg)
     n = batch["obs"].shape[0]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for epoch in range(cfg.update_epochs):
@@ -90,8 +100,31 @@ def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[
             mean = torch.stack(stats).mean(0).tolist()
             if cfg.target_kl is not None and mean[3] > cfg.target_kl:
                 break
-    keys = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl")
-    return {f"losses/{k}": v for k, v in zip(keys, mean, strict=True)}
+    return {f"losses/{k}": v for k, v in zip(STAT_KEYS, mean, strict=True)}
+
+
+def _ppo_update_handgrad(step: HandGradStep, optimizer, batch: dict[str, torch.Tensor],
+                         cfg: ControlConfig) -> dict[str, float]:
+    """ppo_update's loop on numpy views of the (CPU) batch."""
+    arrays = {k: v.numpy() for k, v in batch.items()}
+    n = arrays["obs"].shape[0]
+    for epoch in range(cfg.update_epochs):
+        with_stats = cfg.target_kl is not None or epoch == cfg.update_epochs - 1
+        stats = []
+        perm = torch.randperm(n).numpy()  # the torch RNG stream advances as on the autograd path
+        columns = {k: np.array_split(v[perm], cfg.num_minibatches) for k, v in arrays.items()}
+        for i in range(cfg.num_minibatches):
+            c = {k: v[i] for k, v in columns.items()}
+            mb_stats = step(c["obs"], c["actions"], c["logp"], c["values"], c["adv"], c["ret"], with_stats)
+            step.clip_grad_norm(cfg.max_grad_norm)
+            optimizer.step()
+            if with_stats:
+                stats.append(mb_stats)
+        if with_stats:
+            mean = np.mean(stats, 0).tolist()
+            if cfg.target_kl is not None and mean[3] > cfg.target_kl:
+                break
+    return {f"losses/{k}": v for k, v in zip(STAT_KEYS, mean, strict=True)}
 
 
 def explained_variance(pred: np.ndarray, target: np.ndarray) -> float:
@@ -120,6 +153,9 @@ class ControlTrainer:
                                 cfg.clip_obs, cfg.clip_reward)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, self.policy_rng)
+        self.handgrad = (HandGradStep(self.agent, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
+                                      cfg.norm_adv)
+                         if cfg.hand_gradients and self.device.type == "cpu" and cfg.precision == "fp32" else None)
         self.update = 0  # completed updates
 
     # ---- checkpoint -------------------------------------------------------------------------------
@@ -175,7 +211,7 @@ class ControlTrainer:
                                                       ro.ended)), gamma=cfg.gamma, lam=cfg.gae_lambda)
         adv, ret = adv.numpy(), ret.numpy()
         batch = _flatten(ro, adv, ret, self.device)
-        metrics = ppo_update(self.agent, self.optimizer, self.precision, batch, cfg)
+        metrics = ppo_update(self.agent, self.optimizer, self.precision, batch, cfg, self.handgrad)
         self.update += 1
         keep = ro.valid
         metrics["losses/explained_variance"] = explained_variance(ro.values[keep], ret[keep])
