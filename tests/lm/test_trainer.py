@@ -108,8 +108,10 @@ def test_modules_stay_in_eval_mode_with_dropout_off(cfg_for, tmp_path, layout):
         assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
-def test_first_minibatch_ratio_is_one_and_sampler_matches_recomputation(cfg_for, tmp_path):
-    trainer = RLHFTrainer(cfg_for(), tmp_path, reward_fn=word_reward)
+@pytest.mark.parametrize("attn", ["auto", "sdpa"])
+def test_first_minibatch_ratio_is_one_and_sampler_matches_recomputation(cfg_for, tmp_path, attn):
+    trainer = RLHFTrainer(cfg_for(attn_implementation=attn), tmp_path, reward_fn=word_reward)
+    assert trainer.layout.policy_model.config._attn_implementation == ("eager" if attn == "auto" else attn)
     metrics, _ = trainer.train_one_update()  # 1 epoch, 1 mini-batch: the policy is still the sampler's
     assert abs(metrics["val/ratio"] - 1) < 1e-6
     assert abs(metrics["policy/approxkl_avg"]) < 1e-6 and metrics["policy/clipfrac_avg"] == 0

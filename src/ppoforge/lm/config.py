@@ -74,6 +74,9 @@ class RLHFConfig:
     device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
     torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)", lo=1)
     gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory")
+    attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (eager on CPU, "
+                                     "faster there at RLHF lengths; the model's default elsewhere), eager, sdpa",
+                                     choices=("auto", "eager", "sdpa"))
     checkpoint_every: int = param(25, "save a checkpoint every this many updates (and at the end)", lo=1)
     log_every: int = param(1, "log metrics and a completions table every this many updates", lo=1)
     tensorboard: bool = param(True, "also write TensorBoard event files")

@@ -122,9 +122,11 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device) 
     return model.to(device).eval()
 
 
-def _from_pretrained(auto_cls, path: str, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+def _from_pretrained(auto_cls, path: str, config: PretrainedConfig, dtype: torch.dtype,
+                     attn_implementation: str | None = None) -> PreTrainedModel:
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        return auto_cls.from_pretrained(path, config=config, dtype=dtype)
+        return auto_cls.from_pretrained(path, config=config, dtype=dtype, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"model: cannot load weights from {path} ({_first_line(e)})") from None
 
@@ -140,23 +142,27 @@ def _resolve(name_or_path: str, tokenizer: PreTrainedTokenizerBase | None, mappi
 
 
 def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu",
-                   tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+                   tokenizer: PreTrainedTokenizerBase | None = None,
+                   attn_implementation: str | None = None) -> PreTrainedModel:
     """A causal LM with dropout off, in eval mode, its embeddings sized for `tokenizer`.
 
     `tokenizer` defaults to `load_tokenizer(name_or_path)`; pass the policy's tokenizer when loading a
     reference or value model so all of them agree on the (possibly added) pad token.
+    `attn_implementation` (e.g. "eager", "sdpa") overrides the model's default attention.
     """
     path, tokenizer, config = _resolve(name_or_path, tokenizer, MODEL_FOR_CAUSAL_LM_MAPPING,
                                        "not a causal LM; allowed: a checkpoint AutoModelForCausalLM can load "
                                        "(e.g. llama, qwen2, gpt2)")
     _zero_dropout_config(config)
-    model = _finish(_from_pretrained(AutoModelForCausalLM, path, config, dtype), tokenizer, device)
+    model = _finish(_from_pretrained(AutoModelForCausalLM, path, config, dtype, attn_implementation), tokenizer,
+                    device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
 def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu",
-                      tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+                      tokenizer: PreTrainedTokenizerBase | None = None,
+                      attn_implementation: str | None = None) -> PreTrainedModel:
     """An `AutoModelForSequenceClassification` with one output (a scalar reward), dropout off.
 
     A trained classifier with more than one label is refused. A plain LM checkpoint loads with a
@@ -171,5 +177,5 @@ def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, dev
                         "allowed: 1 (a scalar reward)")
     config.num_labels = 1
     _zero_dropout_config(config)
-    model = _from_pretrained(AutoModelForSequenceClassification, path, config, dtype)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, config, dtype, attn_implementation)
     return _finish(model, tokenizer, device)
