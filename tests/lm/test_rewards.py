@@ -226,3 +226,13 @@ def test_model_spec(tiny_reward_model_dir):
     assert out.shape == (2,) and torch.isfinite(out).all()
     with pytest.raises(UserError, match=r"^model: no model at /no/such/rm; allowed: "):
         build_reward("model:/no/such/rm")
+
+
+def test_reward_model_loads_in_the_requested_dtype_and_attention(tiny_reward_model_dir):
+    fn = build_reward(f"model:{tiny_reward_model_dir}", dtype=torch.bfloat16, attn_implementation="eager")
+    scorer = fn.terms[0][1]
+    assert next(scorer.model.parameters()).dtype == torch.bfloat16
+    assert scorer.model.config._attn_implementation == "eager"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = score(fn, "r", P2, ["good", "bad"], [True, True], [{}, {}])
+    assert torch.isfinite(out).all()

@@ -165,6 +165,13 @@ class LoraLayout:
         self._use_adapter("default")
         self._only_linear_adapters = all(isinstance(m, LoraLinear) for m in self.peft.modules()
                                          if isinstance(m, LoraLayer))
+        if next(base.parameters()).dtype != torch.float32:
+            # A low-precision base only runs under autocast, which casts the activations for the
+            # adapters' matmuls itself; peft's own cast of every adapter input to the adapters' fp32
+            # would add two activation copies per adapted layer and change no result.
+            for module in self.peft.modules():
+                if isinstance(module, LoraLayer):
+                    module.cast_input_dtype_enabled = False
 
     def decoder(self):
         """The policy (base + adapter) as a decoder: the lean one reads merged weights, computed once per

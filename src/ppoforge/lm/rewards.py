@@ -93,11 +93,12 @@ class RewardModelScorer:
     """
 
     def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
-                 batch_size: int = 8):
+                 batch_size: int = 8, attn_implementation: str | None = None):
         from ppoforge.lm.models import load_reward_model, load_tokenizer
 
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(name_or_path)
-        self.model = load_reward_model(name_or_path, dtype=dtype, device=device, tokenizer=self.tokenizer)
+        self.model = load_reward_model(name_or_path, dtype=dtype, device=device, tokenizer=self.tokenizer,
+                                       attn_implementation=attn_implementation)
         self.device = device
         self.batch_size = batch_size
 
@@ -222,7 +223,7 @@ def _number(item: str, text: str, kind: type):
     return value
 
 
-def _build_one(item: str, device) -> RewardFn:
+def _build_one(item: str, device, model_kwargs: dict) -> RewardFn:
     kind, _, arg = item.partition(":")
     if item == "vader":
         return vader_sentiment
@@ -233,7 +234,7 @@ def _build_one(item: str, device) -> RewardFn:
     if kind == "eos_penalty" and arg:
         return missing_eos_penalty(_number(item, arg, float))
     if kind == "model" and arg:
-        return RewardModelScorer(arg, device=device)
+        return RewardModelScorer(arg, device=device, **model_kwargs)
     if kind == "py" and arg:
         return _load_python(arg)
     raise UserError(f"reward: unknown item {item!r}; allowed: {ALLOWED_SPECS} (comma-separated)")
@@ -245,8 +246,10 @@ def split_spec(spec: str) -> list[str]:
     return [p.strip() for p in parts]
 
 
-def build_reward(spec: str, weights: str | None = None, device="cpu") -> WeightedSum:
-    """The reward described by `spec` (e.g. "vader,eos_penalty:1") with optional weights ("1,0.5")."""
+def build_reward(spec: str, weights: str | None = None, device="cpu", **model_kwargs) -> WeightedSum:
+    """The reward described by `spec` (e.g. "vader,eos_penalty:1") with optional weights ("1,0.5").
+
+    `model_kwargs` (dtype, attn_implementation) go to the reward models' loader."""
     items = split_spec(spec)
     if weights is None:
         ws = [1.0] * len(items)
@@ -255,4 +258,5 @@ def build_reward(spec: str, weights: str | None = None, device="cpu") -> Weighte
         if len(ws) != len(items):
             raise UserError(f"reward weights: {len(ws)} weights for {len(items)} rewards "
                             f"({', '.join(items)}); allowed: one weight per reward, comma-separated")
-    return WeightedSum([(item, _build_one(item, device), w) for item, w in zip(items, ws, strict=True)])
+    return WeightedSum([(item, _build_one(item, device, model_kwargs), w)
+                        for item, w in zip(items, ws, strict=True)])

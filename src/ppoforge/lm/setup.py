@@ -1,8 +1,8 @@
 """Everything an RLHF run is built from — device, precision, tokenizer, model layout, stop tokens,
 tokenized prompts, reward — assembled from an `RLHFConfig` in one place, so the trainer only trains.
 
-Memory/speed choice: weights that never train (the LoRA base, the full layout's reference) are loaded
-in the autocast dtype under bf16/fp16, which is what autocast would cast them to on every forward
+Memory/speed choice: weights that never train (the LoRA base, the full layout's reference, reward
+models) are loaded in the autocast dtype under bf16/fp16, which is what autocast would cast them to on every forward
 anyway; trained weights stay fp32 (master weights).
 """
 
@@ -106,7 +106,10 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if reward_fn is None:
-        reward_fn, name = build_reward(cfg.reward, cfg.reward_weights, device=device), cfg.reward
+        # reward models are frozen: stored in the autocast dtype, as the reference is
+        reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, dtype=precision.dtype or torch.float32,
+                                 attn_implementation=attention_for(cfg.attn_implementation, device))
+        name = cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
     return Components(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
