@@ -158,3 +158,30 @@ def test_lean_llama_decoder_matches_hf_forward(family):
         for t, tok in enumerate([[3, 4, 5], [6, 7, 8], [9, 10, 11]]):
             tok = torch.tensor(tok)
             torch.testing.assert_close(lean.step(tok, t), hf.step(tok, t), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["fp32-autocast", "bf16"])
+def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weights):
+    from ppoforge.lm import decoders
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
+    if weights == "bf16":
+        model = model.to(torch.bfloat16)
+    ids, mask = _left_padded([[5, 9, 13, 17, 21], [40, 41], [60, 61, 62]])
+
+    def decode(packing: bool) -> tuple[list[torch.Tensor], object]:
+        monkeypatch.setattr(decoders, "_ONEDNN_PACKING", packing and decoders._ONEDNN_PACKING)
+        dec = LlamaDecoder(model)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = [dec.prefill(ids, mask, 3)] + [dec.step(torch.tensor(t), i) for i, t in
+                                                 enumerate([[3, 4, 5], [6, 7, 8]])]
+        return out, dec.linear
+
+    plain, plain_linear = decode(False)
+    packed, packed_linear = decode(True)
+    assert plain_linear is torch.nn.functional.linear
+    if decoders._ONEDNN_PACKING:  # a CPU build of torch with oneDNN: the packed path must be the one taken
+        assert packed_linear is decoders._packed_linear
+    for a, b in zip(plain, packed, strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
