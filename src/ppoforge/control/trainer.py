@@ -10,12 +10,14 @@ action stored). Deliberate deviation from CleanRL: time-limit truncations bootst
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 from ppoforge.config import config_to_dict, save_config
 from ppoforge.control.agent import ActorCritic, make_policy
@@ -64,13 +66,14 @@ def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[
                cfg: ControlConfig, handgrad: HandGradStep | None = None) -> dict[str, float]:
     """`update_epochs` passes of shuffled minibatches; returns the last epoch's mean diagnostics.
 
-    With `handgrad` (CPU, fp32) each minibatch's gradients come from the hand-derived numpy path;
-    shuffling, clipping rule, optimizer and diagnostics are the same as with autograd.
+    With `handgrad` (CPU, fp32) each minibatch's gradients come from the hand-derived numpy path
+    instead of autograd; shuffling, clipping rule, optimizer and diagnostics are the same.
     """
     if handgrad is not None:
-        return _ppo_update_handgrad(handgrad, optimizer, batch, cfg)
+        step = functools.partial(_handgrad_step, handgrad, optimizer, cfg)
+    else:
+        step = functools.partial(_autograd_step, agent, optimizer, precision, cfg)
     n = batch["obs"].shape[0]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     for epoch in range(cfg.update_epochs):
         # Diagnostics only where they are read: the logged last epoch, or every epoch for target_kl.
         with_stats = cfg.target_kl is not None or epoch == cfg.update_epochs - 1
@@ -79,23 +82,9 @@ def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[
         # Shuffle once per epoch, then take contiguous views: 6 gathers an epoch instead of 6 a minibatch.
         columns = {k: v[perm].tensor_split(cfg.num_minibatches) for k, v in batch.items()}
         for i in range(cfg.num_minibatches):
-            mb = {k: v[i] for k, v in columns.items()}
-            with precision.autocast():
-                logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
-            adv = mb["adv"]
-            if cfg.norm_adv and adv.numel() > 1:
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            pg_loss, pg_stats = policy_loss(logp, mb["logp"], adv, cfg.clip_coef, with_stats=with_stats)
-            v_loss, _ = value_loss(values, mb["values"], mb["ret"], cfg.clip_coef if cfg.clip_vloss else None,
-                                   with_stats=False)
-            ent = entropy.mean()
-            loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
-            optimizer.zero_grad(set_to_none=True)
-            precision.backward(loss)
-            precision.step(optimizer, params, cfg.max_grad_norm)
+            mb_stats = step({k: v[i] for k, v in columns.items()}, with_stats)
             if with_stats:
-                stats.append(torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg_stats["approx_kl"],
-                                          pg_stats["clipfrac"], (mb["logp"] - logp.detach()).mean()]))
+                stats.append(mb_stats)
         if with_stats:
             mean = torch.stack(stats).mean(0).tolist()
             if cfg.target_kl is not None and mean[3] > cfg.target_kl:
@@ -103,28 +92,36 @@ def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[
     return {f"losses/{k}": v for k, v in zip(STAT_KEYS, mean, strict=True)}
 
 
-def _ppo_update_handgrad(step: HandGradStep, optimizer, batch: dict[str, torch.Tensor],
-                         cfg: ControlConfig) -> dict[str, float]:
-    """ppo_update's loop on numpy views of the (CPU) batch."""
-    arrays = {k: v.numpy() for k, v in batch.items()}
-    n = arrays["obs"].shape[0]
-    for epoch in range(cfg.update_epochs):
-        with_stats = cfg.target_kl is not None or epoch == cfg.update_epochs - 1
-        stats = []
-        perm = torch.randperm(n).numpy()  # the torch RNG stream advances as on the autograd path
-        columns = {k: np.array_split(v[perm], cfg.num_minibatches) for k, v in arrays.items()}
-        for i in range(cfg.num_minibatches):
-            c = {k: v[i] for k, v in columns.items()}
-            mb_stats = step(c["obs"], c["actions"], c["logp"], c["values"], c["adv"], c["ret"], with_stats)
-            step.clip_grad_norm(cfg.max_grad_norm)
-            optimizer.step()
-            if with_stats:
-                stats.append(mb_stats)
-        if with_stats:
-            mean = np.mean(stats, 0).tolist()
-            if cfg.target_kl is not None and mean[3] > cfg.target_kl:
-                break
-    return {f"losses/{k}": v for k, v in zip(STAT_KEYS, mean, strict=True)}
+def _autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlConfig,
+                   mb: dict[str, torch.Tensor], with_stats: bool) -> torch.Tensor | None:
+    """One minibatch: loss, backward, clip, Adam; the STAT_KEYS diagnostics as a tensor if asked."""
+    with precision.autocast():
+        logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
+    adv = mb["adv"]
+    if cfg.norm_adv and adv.numel() > 1:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    pg_loss, pg_stats = policy_loss(logp, mb["logp"], adv, cfg.clip_coef, with_stats=with_stats)
+    v_loss, _ = value_loss(values, mb["values"], mb["ret"], cfg.clip_coef if cfg.clip_vloss else None,
+                           with_stats=False)
+    ent = entropy.mean()
+    loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
+    optimizer.zero_grad(set_to_none=True)
+    precision.backward(loss)
+    precision.step(optimizer, [p for group in optimizer.param_groups for p in group["params"]], cfg.max_grad_norm)
+    if not with_stats:
+        return None
+    return torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg_stats["approx_kl"],
+                        pg_stats["clipfrac"], (mb["logp"] - logp.detach()).mean()])
+
+
+def _handgrad_step(handgrad: HandGradStep, optimizer, cfg: ControlConfig, mb: dict[str, torch.Tensor],
+                   with_stats: bool) -> torch.Tensor | None:
+    """The same minibatch step with hand-derived gradients, on numpy views of the CPU minibatch."""
+    cols = (mb[k].numpy() for k in ("obs", "actions", "logp", "values", "adv", "ret"))
+    stats = handgrad(*cols, with_stats)
+    handgrad.clip_grad_norm(cfg.max_grad_norm)
+    optimizer.step()
+    return None if stats is None else torch.from_numpy(stats)
 
 
 def explained_variance(pred: np.ndarray, target: np.ndarray) -> float:
@@ -138,6 +135,9 @@ class ControlTrainer:
     def __init__(self, cfg: ControlConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         torch.set_num_threads(cfg.torch_threads)
+        # numpy's BLAS too (rollout policy, hand-derived gradients): at 128 x 64 a second BLAS thread
+        # only waits, and on a busy machine it made the hand-gradient update 4x slower
+        threadpool_limits(cfg.torch_threads, user_api="blas")
         seed_everything(cfg.seed)
         self.device = resolve_device(cfg.device)
         self.precision = make_precision(cfg.precision, self.device)
