@@ -58,58 +58,44 @@ class HandGradStep:
         a1 = np.tanh(obs @ self.w[0] + self.b[0])
         a2 = np.tanh(a1 @ self.w[1] + self.b[1])
         out = a2 @ self.w[2] + self.b[2]
-        head, values = out[0, :, :self.act_dim], out[1, :, 0]
         if self.norm_adv and n > 1:
             adv = (adv - adv.mean()) / (adv.std(ddof=1) + 1e-8)
-
-        if self.continuous:
-            inv_std = np.exp(-self.log_std)
-            z = (actions - head) * inv_std
-            logp = (-0.5 * z * z - self.log_std - 0.5 * LOG_2PI).sum(-1)
-            entropy = np.full(n, (0.5 + 0.5 * LOG_2PI + self.log_std).sum(), dtype=np.float32)
-        else:
-            shifted = head - head.max(-1, keepdims=True)
-            exp = np.exp(shifted)
-            total = exp.sum(-1, keepdims=True)
-            probs, logp_all = exp / total, shifted - np.log(total)
-            rows, acts = np.arange(n), actions.astype(np.int64)
-            logp = logp_all[rows, acts]
-            entropy = -(probs * logp_all).sum(-1)
+        head = _Continuous(self, out, actions) if self.continuous else _Categorical(self, out, actions)
 
         # d loss / d logp: the clipped surrogate's subgradient
-        ratio = np.exp(logp - old_logp)
+        ratio = np.exp(head.logp - old_logp)
         clipped_ratio = np.clip(ratio, 1.0 - self.clip, 1.0 + self.clip)
         surrogate, surrogate_clipped = -adv * ratio, -adv * clipped_ratio
         d_logp = -adv * ratio / n
         d_logp = np.where(surrogate >= surrogate_clipped, d_logp, d_logp * (clipped_ratio == ratio))
-
-        # d loss / d V
-        err = values - returns
-        scale = self.vf_coef / n  # d/dV of vf_coef * 0.5 * mean(e^2) is vf_coef * e / n
-        if self.clip_vloss:
-            delta = values - old_values
-            clipped_err = old_values + np.clip(delta, -self.clip, self.clip) - returns
-            v_terms = np.maximum(err * err, clipped_err * clipped_err)
-            inside = np.abs(delta) <= self.clip
-            d_values = scale * np.where(err * err >= clipped_err * clipped_err, err, clipped_err * inside)
-        else:
-            v_terms = err * err
-            d_values = scale * err
+        d_values, v_terms = self._value_grad(out[1, :, 0], old_values, returns)
 
         d_out = np.zeros_like(out)
-        if self.continuous:
-            d_out[0, :, :self.act_dim] = d_logp[:, None] * z * inv_std
-            # d logp / d log_std = z^2 - 1 per dim; the entropy term's is 1 per dim (mean over rows)
-            self.g_log_std[:] = (d_logp[:, None] * (z * z - 1.0)).sum(0) - self.ent_coef
-        else:
-            d_head = -probs * d_logp[:, None]
-            d_head[rows, acts] += d_logp
-            # d H / d z = -p (log p + H); the loss has -ent_coef * mean(H)
-            d_head += (self.ent_coef / n) * probs * (logp_all + entropy[:, None])
-            d_out[0, :, :self.act_dim] = d_head
+        d_out[0, :, :self.act_dim] = head.backward(d_logp)
         d_out[1, :, 0] = d_values
+        self._backward(obs, a1, a2, d_out)
+        if not with_stats:
+            return None
+        log_ratio = head.logp - old_logp
+        return np.array([np.maximum(surrogate, surrogate_clipped).mean(), 0.5 * v_terms.mean(), head.entropy.mean(),
+                         ((ratio - 1.0) - log_ratio).mean(), (np.abs(ratio - 1.0) > self.clip).mean(),
+                         (-log_ratio).mean()], dtype=np.float64)
 
-        # backward through the three layers of both networks at once
+    def _value_grad(self, values: np.ndarray, old_values: np.ndarray, returns: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(d loss / d V, the per-row squared errors the value loss averages)."""
+        err = values - returns
+        scale = self.vf_coef / values.shape[0]  # d/dV of vf_coef * 0.5 * mean(e^2) is vf_coef * e / n
+        if not self.clip_vloss:
+            return scale * err, err * err
+        delta = values - old_values
+        clipped_err = old_values + np.clip(delta, -self.clip, self.clip) - returns
+        inside = np.abs(delta) <= self.clip
+        d_values = scale * np.where(err * err >= clipped_err * clipped_err, err, clipped_err * inside)
+        return d_values, np.maximum(err * err, clipped_err * clipped_err)
+
+    def _backward(self, obs: np.ndarray, a1: np.ndarray, a2: np.ndarray, d_out: np.ndarray) -> None:
+        """Through the three layers of both networks at once, into the .grad views."""
         self.gw[2][:] = a2.transpose(0, 2, 1) @ d_out
         self.gb[2][:] = d_out.sum(1, keepdims=True)
         d_z2 = (d_out @ self.w[2].transpose(0, 2, 1)) * (1.0 - a2 * a2)
@@ -121,13 +107,6 @@ class HandGradStep:
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g
 
-        if not with_stats:
-            return None
-        log_ratio = logp - old_logp
-        return np.array([np.maximum(surrogate, surrogate_clipped).mean(), 0.5 * v_terms.mean(), entropy.mean(),
-                         ((ratio - 1.0) - log_ratio).mean(), (np.abs(ratio - 1.0) > self.clip).mean(),
-                         (-log_ratio).mean()], dtype=np.float64)
-
     def clip_grad_norm(self, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_'s rule on the .grad views: scale by min(1, max / (norm + 1e-6))."""
         flat = [g.reshape(-1) for g in self.gw + self.gb + ([self.g_log_std] if self.continuous else [])]
@@ -137,3 +116,41 @@ class HandGradStep:
             for g in flat:
                 g *= coef
         return norm
+
+
+class _Categorical:
+    """log-probs and entropy of a softmax head; `backward` maps d loss / d logp to d loss / d logits."""
+
+    def __init__(self, step: HandGradStep, out: np.ndarray, actions: np.ndarray):
+        logits = out[0, :, :step.act_dim]
+        shifted = logits - logits.max(-1, keepdims=True)
+        exp = np.exp(shifted)
+        total = exp.sum(-1, keepdims=True)
+        self.probs, self.logp_all = exp / total, shifted - np.log(total)
+        self.rows, self.acts = np.arange(logits.shape[0]), actions.astype(np.int64)
+        self.logp = self.logp_all[self.rows, self.acts]
+        self.entropy = -(self.probs * self.logp_all).sum(-1)
+        self.ent_coef = step.ent_coef
+
+    def backward(self, d_logp: np.ndarray) -> np.ndarray:
+        d_logits = -self.probs * d_logp[:, None]
+        d_logits[self.rows, self.acts] += d_logp
+        # d H / d z = -p (log p + H); the loss has -ent_coef * mean(H)
+        d_logits += (self.ent_coef / d_logp.shape[0]) * self.probs * (self.logp_all + self.entropy[:, None])
+        return d_logits
+
+
+class _Continuous:
+    """log-probs and entropy of a diagonal Gaussian head; `backward` also writes the log-std gradient."""
+
+    def __init__(self, step: HandGradStep, out: np.ndarray, actions: np.ndarray):
+        self.step = step
+        self.inv_std = np.exp(-step.log_std)
+        self.z = (actions - out[0, :, :step.act_dim]) * self.inv_std
+        self.logp = (-0.5 * self.z * self.z - step.log_std - 0.5 * LOG_2PI).sum(-1)
+        self.entropy = np.full(out.shape[1], (0.5 + 0.5 * LOG_2PI + step.log_std).sum(), dtype=np.float32)
+
+    def backward(self, d_logp: np.ndarray) -> np.ndarray:
+        # d logp / d log_std = z^2 - 1 per dim; the entropy term's is 1 per dim (mean over rows)
+        self.step.g_log_std[:] = (d_logp[:, None] * (self.z * self.z - 1.0)).sum(0) - self.step.ent_coef
+        return d_logp[:, None] * self.z * self.inv_std
