@@ -34,10 +34,11 @@ def run_ppoforge(env_id: str, steps: int, seed: int) -> dict:
     cfg = build_config(ControlConfig, {**HP, "env_id": env_id, "total_steps": steps, "seed": seed,
                                        "device": "cpu", "progress": False, "tensorboard": False,
                                        "checkpoint_every": 10**9})
-    trainer = ControlTrainer(cfg, tempfile.mkdtemp(prefix="bench-ppoforge-"))
-    start, cpu_start = time.perf_counter(), time.process_time()
-    result = trainer.run()
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    with tempfile.TemporaryDirectory(prefix="bench-ppoforge-") as run_dir:
+        trainer = ControlTrainer(cfg, run_dir)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        result = trainer.run()
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return {"steps": result.global_step, "seconds": elapsed, "cpu_seconds": cpu, "returns": result.recent_returns[-20:]}
 
 
@@ -45,6 +46,7 @@ def run_sb3(env_id: str, steps: int, seed: int) -> dict:
     import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.monitor import Monitor  # noqa: F401  (make_vec_env wraps envs in it)
 
     torch.set_num_threads(1)
@@ -57,6 +59,7 @@ def run_sb3(env_id: str, steps: int, seed: int) -> dict:
                 ent_coef=HP["ent_coef"], vf_coef=HP["vf_coef"], max_grad_norm=HP["max_grad_norm"],
                 policy_kwargs=dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=torch.nn.Tanh),
                 seed=seed, device="cpu", verbose=0)
+    model.set_logger(Logger(folder=None, output_formats=[]))  # SB3's default would leave a /tmp/SB3-* folder
     start, cpu_start = time.perf_counter(), time.process_time()
     model.learn(total_timesteps=steps)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start

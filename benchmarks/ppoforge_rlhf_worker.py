@@ -91,7 +91,8 @@ def main() -> None:
     w = rlhf_workloads.load_workload(wdir)
     redirect_tokenizer(wdir)
     t_setup = time.perf_counter()
-    trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(tempfile.mkdtemp(prefix="bench-ppoforge-")))
+    run_dir = tempfile.TemporaryDirectory(prefix="bench-ppoforge-")  # removed when the process exits
+    trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(run_dir.name))
     setup_s = time.perf_counter() - t_setup
     # Both frameworks must see the same prompt token ids (this also proves the tokenizer redirect).
     same = sorted(map(list, trainer.c.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))

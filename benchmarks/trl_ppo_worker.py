@@ -83,8 +83,9 @@ def main() -> None:
     dataset = Dataset.from_dict({"input_ids": prompts})
     n_updates = args.warmup + args.updates
 
+    out_dir = tempfile.TemporaryDirectory(prefix="bench-trl-")  # removed when the process exits
     config = PPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), report_to="none", save_strategy="no",
+        output_dir=out_dir.name, report_to="none", save_strategy="no",
         disable_tqdm=True, seed=args.seed, bf16=args.precision == "bf16",
         per_device_train_batch_size=w.micro_batch, gradient_accumulation_steps=w.n_prompts // w.micro_batch,
         num_mini_batches=1, num_ppo_epochs=1, total_episodes=n_updates * w.n_prompts,
