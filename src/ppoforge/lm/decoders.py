@@ -88,7 +88,15 @@ class _Layer:
         self.norm1, self.norm2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
 
 
-LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+LINEARS = ("qkv", "o", "gate_up", "down")  # after _fuse: q, k, v and gate, up are one matmul each
+
+
+def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack (weight, bias) pairs along the output dim: one matmul computes all of them."""
+    weight = torch.cat([w for w, _ in params])
+    if all(b is None for _, b in params):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
 _ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
@@ -122,6 +130,7 @@ class LlamaDecoder:
         """Once per decoder (i.e. per rollout), before the first token:
         - under autocast, cast the linear weights to its dtype here instead of in every step's F.linear
           (autocast re-casts on every call outside one region; same values as its own cast);
+        - stack q, k, v and gate, up: 4 matmuls per layer and token instead of 7;
         - on CPU in bf16, also reorder them into oneDNN's blocked layout. Decoding a few rows streams every
           weight from memory once per token, and plain F.linear repacks it on each call: prepacked, the
           decode's matmuls run ~1.5x faster here, with bit-identical results (tested)."""
@@ -129,8 +138,11 @@ class LlamaDecoder:
             return
         cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
         for layer in self.layers:
-            for name in LINEARS:
-                setattr(layer, name, cast(getattr(layer, name)))
+            # fuse after the cast: the fp32 originals are never copied
+            layer.qkv = _concat(cast(layer.q), cast(layer.k), cast(layer.v))
+            layer.gate_up = _concat(cast(layer.gate), cast(layer.up))
+            layer.o, layer.down = cast(layer.o), cast(layer.down)
+            del layer.q, layer.k, layer.v, layer.gate, layer.up
         self.head, self._cast_dtype = cast(self.head), dtype
         if device.type == "cpu" and dtype == torch.bfloat16 and _ONEDNN_PACKING:
             pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
@@ -163,16 +175,16 @@ class LlamaDecoder:
         linear = self.linear
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             h = self._norm(x, layer.norm1)
-            q = linear(h, *layer.q).view(batch, n, self.n_heads, self.head_dim)
-            k = linear(h, *layer.k).view(batch, n, self.n_kv, self.head_dim)
-            qk = torch.cat([q, k], 2).transpose(1, 2)  # (B, heads + kv heads, S, hd): one RoPE for both
+            qkv = linear(h, *layer.qkv).view(batch, n, self.n_heads + 2 * self.n_kv, self.head_dim)
+            qk = qkv[:, :, :self.n_heads + self.n_kv].transpose(1, 2)  # (B, heads + kv heads, S, hd): one RoPE
             qk = qk * cos + _rotate_half(qk) * sin
             k_cache[:, :, start:end] = qk[:, self.n_heads:]
-            v_cache[:, :, start:end] = linear(h, *layer.v).view(batch, n, self.n_kv, self.head_dim).transpose(1, 2)
+            v_cache[:, :, start:end] = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
             o = self._attention(qk[:, :self.n_heads], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask)
             x = x + linear(o.transpose(1, 2).reshape(batch * n, -1), *layer.o)
             h = self._norm(x, layer.norm2)
-            x = x + linear(F.silu(linear(h, *layer.gate)) * linear(h, *layer.up), *layer.down)
+            gate, up = linear(h, *layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, *layer.down)
         return linear(self._norm(x.view(batch, n, -1)[:, -1], self.final_norm), *self.head)
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
@@ -181,8 +193,7 @@ class LlamaDecoder:
         x = F.embedding(prompt_ids, self.embed)
         shape = (batch, self.n_kv, total, self.head_dim)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        if dtype != x.dtype or dtype == torch.bfloat16:
-            self._prepare_weights(dtype, x.device)
+        self._prepare_weights(dtype, x.device)
         self.k_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
         keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
