@@ -72,7 +72,8 @@ def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[
     if handgrad is not None:
         step = functools.partial(_handgrad_step, handgrad, optimizer, cfg)
     else:
-        step = functools.partial(_autograd_step, agent, optimizer, precision, cfg)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        step = functools.partial(_autograd_step, agent, optimizer, params, precision, cfg)
     n = batch["obs"].shape[0]
     for epoch in range(cfg.update_epochs):
         # Diagnostics only where they are read: the logged last epoch, or every epoch for target_kl.
@@ -92,8 +93,8 @@ def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[
     return {f"losses/{k}": v for k, v in zip(STAT_KEYS, mean, strict=True)}
 
 
-def _autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlConfig,
-                   mb: dict[str, torch.Tensor], with_stats: bool) -> torch.Tensor | None:
+def _autograd_step(agent: ActorCritic, optimizer, params: list[torch.Tensor], precision: Precision,
+                   cfg: ControlConfig, mb: dict[str, torch.Tensor], with_stats: bool) -> torch.Tensor | None:
     """One minibatch: loss, backward, clip, Adam; the STAT_KEYS diagnostics as a tensor if asked."""
     with precision.autocast():
         logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
@@ -107,7 +108,7 @@ def _autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Con
     loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
     optimizer.zero_grad(set_to_none=True)
     precision.backward(loss)
-    precision.step(optimizer, [p for group in optimizer.param_groups for p in group["params"]], cfg.max_grad_norm)
+    precision.step(optimizer, params, cfg.max_grad_norm)
     if not with_stats:
         return None
     return torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg_stats["approx_kl"],

@@ -88,7 +88,7 @@ class _Layer:
         self.norm1, self.norm2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
 
 
-LINEARS = ("qkv", "o", "gate_up", "down")  # after _fuse: q, k, v and gate, up are one matmul each
+LINEARS = ("qkv", "o", "gate_up", "down")  # after _prepare_weights: q, k, v and gate, up stacked
 
 
 def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -97,6 +97,8 @@ def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Te
     if all(b is None for _, b in params):
         return weight, None
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
+
+
 _ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
@@ -123,7 +125,7 @@ class LlamaDecoder:
         self.rotary = backbone.rotary_emb
         self.final_norm = backbone.norm.weight
         self.layers = [_Layer(block, linear_params) for block in backbone.layers]
-        self._cast_dtype = None  # the dtype the linear weights were last cast to (see _prepare_weights)
+        self._cast_dtype = None  # the dtype the linear weights were prepared in (see _prepare_weights)
         self.linear = F.linear  # (x, weight, bias) -> x @ weight.T + bias; packed for oneDNN on CPU bf16
 
     def _prepare_weights(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -134,7 +136,9 @@ class LlamaDecoder:
         - on CPU in bf16, also reorder them into oneDNN's blocked layout. Decoding a few rows streams every
           weight from memory once per token, and plain F.linear repacks it on each call: prepacked, the
           decode's matmuls run ~1.5x faster here, with bit-identical results (tested)."""
-        if self._cast_dtype == dtype:
+        if self._cast_dtype is not None:  # the per-layer q, k, v, gate, up are gone once stacked
+            if self._cast_dtype != dtype:
+                raise RuntimeError(f"this decoder's weights are {self._cast_dtype}; build a new one for {dtype}")
             return
         cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
         for layer in self.layers:

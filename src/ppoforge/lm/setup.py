@@ -2,8 +2,8 @@
 tokenized prompts, reward — assembled from an `RLHFConfig` in one place, so the trainer only trains.
 
 Memory/speed choice: weights that never train (the LoRA base, the full layout's reference, reward
-models) are loaded in the autocast dtype under bf16/fp16, which is what autocast would cast them to on every forward
-anyway; trained weights stay fp32 (master weights).
+models) are loaded in the autocast dtype under bf16/fp16, which is what autocast would cast them to on
+every forward anyway; trained weights stay fp32 (master weights).
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def attention_for(choice: str, device: torch.device) -> str | None:
     return choice
 
 
-def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype) -> Layout:
+def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) -> Layout:
     from ppoforge.lm.models import load_causal_lm, load_reward_model
 
-    kw = {"tokenizer": tokenizer, "attn_implementation": attention_for(cfg.attn_implementation, device)}
+    kw = {"tokenizer": tokenizer, "attn_implementation": attn}
     if cfg.layout == "lora":
         base = load_causal_lm(cfg.model, frozen_dtype, device, **kw)
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.value_adapter,
@@ -99,16 +99,17 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     device = resolve_device(cfg.device)
     precision = make_precision(cfg.precision, device)
     tokenizer = load_tokenizer(cfg.model)
-    layout = _layout(cfg, tokenizer, device, precision.dtype or torch.float32)
+    attn = attention_for(cfg.attn_implementation, device)
+    frozen_dtype = precision.dtype or torch.float32  # weights that never train: the reference, reward models
+    layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
     rows = load_prompts(cfg.prompts, cfg.prompt_field)
     heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if reward_fn is None:
-        # reward models are frozen: stored in the autocast dtype, as the reference is
-        reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, dtype=precision.dtype or torch.float32,
-                                 attn_implementation=attention_for(cfg.attn_implementation, device))
+        reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, dtype=frozen_dtype,
+                                 attn_implementation=attn)
         name = cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
