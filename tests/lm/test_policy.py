@@ -29,10 +29,14 @@ def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
         logits = layout.logits(hidden)
         lean = layout.decoder().__enter__()
         assert isinstance(lean, LlamaDecoder)
-        torch.testing.assert_close(lean.prefill(ids, mask, 2), logits[:, -1], atol=1e-5, rtol=1e-5)
+        lean_logits, lean_hidden = lean.prefill(ids, mask, 2)
+        torch.testing.assert_close(lean_logits, logits[:, -1], atol=1e-5, rtol=1e-5)
+        # the hidden state the lean decoder hands the sampler is the one the value head reads
+        torch.testing.assert_close(lean_hidden, hidden[:, -1], atol=1e-5, rtol=1e-5)
         with merged_lora(layout.peft):
-            hf = HFDecoder(layout.policy_model).prefill(ids, mask, 2)
-        torch.testing.assert_close(hf, logits[:, -1], atol=1e-5, rtol=1e-5)
+            hf_logits, hf_hidden = HFDecoder(layout.policy_model).prefill(ids, mask, 2)
+        torch.testing.assert_close(hf_logits, logits[:, -1], atol=1e-5, rtol=1e-5)
+        assert hf_hidden is None
 
 
 def test_merged_lora_restores_the_same_base_weight_objects(tiny_lm_dir):

@@ -10,8 +10,10 @@
 - `HFDecoder`: the model's own forward with a `DynamicCache` and our 4D masks, for any other model.
 
 Both read the same masks and positions (`attention.py`), so their log-probs agree with the trainer's
-full forward to fp32 rounding. `linear_params` lets a caller substitute effective weights (the LoRA
-layout passes base + adapter, merged once per rollout) without touching the model.
+full forward to fp32 rounding. Each call returns the last position's logits and, where the decoder has
+it for free (LlamaDecoder), its final hidden state: what a value head on the policy's trunk reads.
+`linear_params` lets a caller substitute effective weights (the LoRA layout passes base + adapter,
+merged once per rollout) without touching the model.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ LLAMA_FAMILY = ("llama", "qwen2")
 LinearParams = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor | None]]
 
 
+Output = tuple[torch.Tensor, torch.Tensor | None]  # (B, V) logits, (B, H) final hidden state or None
+
+
 class Decoder(Protocol):
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int
-                ) -> torch.Tensor: ...  # (B, V) logits after the last prompt token
+                ) -> Output: ...  # after the last prompt token
 
-    def step(self, tokens: torch.Tensor, t: int) -> torch.Tensor: ...  # feed response token t (B,) -> (B, V)
+    def step(self, tokens: torch.Tensor, t: int) -> Output: ...  # after feeding response token t (B,)
 
 
 def plain_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,7 +67,7 @@ class HFDecoder:
     def _logits(self, ids, attn, pos):
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
                          **{CACHE_KWARG: self.cache})
-        return out.logits[:, -1]
+        return out.logits[:, -1], None
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape
@@ -171,8 +176,9 @@ class LlamaDecoder:
         return torch.matmul(probs.to(v.dtype), v).reshape(batch, self.n_heads, 1, self.head_dim)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
-                 attn_mask: torch.Tensor) -> torch.Tensor:
-        """x (B, S, H) at cache slots [start, start + S) -> logits (B, V) of the last position."""
+                 attn_mask: torch.Tensor) -> Output:
+        """x (B, S, H) at cache slots [start, start + S) -> logits (B, V) and final hidden (B, H) of the
+        last position."""
         batch, n, end = x.shape[0], x.shape[1], start + x.shape[1]
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, hd)
         x = x.reshape(batch * n, -1)  # 2D activations: F.linear is then one fused addmm, not matmul + add
@@ -189,7 +195,8 @@ class LlamaDecoder:
             h = self._norm(x, layer.norm2)
             gate, up = linear(h, *layer.gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, *layer.down)
-        return linear(self._norm(x.view(batch, n, -1)[:, -1], self.final_norm), *self.head)
+        hidden = self._norm(x.view(batch, n, -1)[:, -1], self.final_norm)
+        return linear(hidden, *self.head), hidden
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -134,6 +135,12 @@ class Layout(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # policy LM head: (..., H) -> (..., V)
 
+    def values(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int
+               ) -> torch.Tensor: ...  # (B, T) fp32: the critic's pass alone
+
+    def sampled_values(self, hidden: torch.Tensor) -> torch.Tensor | None: ...  # from the sampler's hidden
+    #   states (B, T, H) when the value head reads the policy's own trunk, else None
+
     def ref_forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor: ...  # hidden
 
     def ref_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -187,16 +194,25 @@ class LoraLayout:
         for _, p in self._trainable:
             p.requires_grad_(True)
 
-    def forward(self, ids, mask, n_resp):
-        hidden = response_hidden(self.backbone, ids, mask, n_resp)
-        if not self.value_adapter:
-            return hidden, self.value_head(hidden)
+    def _critic_hidden(self, ids, mask, n_resp):
+        """The trunk pass with the critic's adapter in place of the policy's."""
         self._use_adapter("critic")
         try:
-            critic_hidden = response_hidden(self.backbone, ids, mask, n_resp)
+            return response_hidden(self.backbone, ids, mask, n_resp)
         finally:
             self._use_adapter("default")
+
+    def forward(self, ids, mask, n_resp):
+        hidden = response_hidden(self.backbone, ids, mask, n_resp)
+        critic_hidden = self._critic_hidden(ids, mask, n_resp) if self.value_adapter else hidden
         return hidden, self.value_head(critic_hidden)
+
+    def values(self, ids, mask, n_resp):
+        critic = self._critic_hidden if self.value_adapter else partial(response_hidden, self.backbone)
+        return self.value_head(critic(ids, mask, n_resp))
+
+    def sampled_values(self, hidden):
+        return None if self.value_adapter else self.value_head(hidden)
 
     def logits(self, hidden):
         return self.policy_model.get_output_embeddings()(hidden)
@@ -239,6 +255,12 @@ class FullLayout:
     def forward(self, ids, mask, n_resp):
         values = self.value_head(response_hidden(self.critic, ids, mask, n_resp))
         return response_hidden(self.policy_backbone, ids, mask, n_resp), values
+
+    def values(self, ids, mask, n_resp):
+        return self.value_head(response_hidden(self.critic, ids, mask, n_resp))
+
+    def sampled_values(self, hidden):
+        return None  # the critic is its own trunk
 
     def logits(self, hidden):
         return self.policy_model.get_output_embeddings()(hidden)

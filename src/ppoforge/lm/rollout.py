@@ -20,7 +20,7 @@ class Rollout:
     mask: torch.Tensor       # (B, P + T) float 0/1: real prompt tokens, then the response mask
     resp: torch.Tensor       # (B, T) response ids, right-padded
     resp_mask: torch.Tensor  # (B, T) float 0/1: up to and including the first stop token
-    logp: torch.Tensor       # (B, T) fp32 log-probs under the policy that sampled (recomputed)
+    logp: torch.Tensor       # (B, T) fp32 log-probs under the policy that sampled
     ref_logp: torch.Tensor   # (B, T) fp32 log-probs under the reference
     values: torch.Tensor     # (B, T) fp32 V(prefix before each response token), 0 on padding
     scores: torch.Tensor     # (B,) reward-function scores

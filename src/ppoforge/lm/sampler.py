@@ -38,6 +38,8 @@ class Samples:
     response_mask: torch.Tensor  # (B, T) float32: 1 up to and including the first stop token, 0 after
     logp: torch.Tensor           # (B, T) fp32 log-prob under softmax(logits / temperature); 0 on padding
     finished: torch.Tensor       # (B,) bool: the response ended with a stop token (else it ran out)
+    hidden: torch.Tensor | None = None  # (B, T, H) final hidden state before each response token, when
+    #                                     the decoder has it: a value head on the policy's trunk reads it
 
 
 def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -81,20 +83,24 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     """
     decoder = decoder_for(model) if isinstance(model, nn.Module) else model
     batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
-    logits = decoder.prefill(prompt_ids, prompt_mask, n_new)
+    logits, hidden = decoder.prefill(prompt_ids, prompt_mask, n_new)
     ids = torch.empty(batch, n_new, dtype=torch.long, device=dev)
     logp = torch.empty(batch, n_new, dtype=torch.float32, device=dev)
+    hiddens = None if hidden is None else hidden.new_empty(batch, n_new, hidden.shape[-1])
     alive = torch.ones(batch, dtype=torch.bool, device=dev)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=dev)
     uniforms = torch.rand(n_new, batch, generator=generator, device=dev)  # one draw per row and step
     for t in range(n_new):
         tok, logp[:, t] = _draw(logits, params, uniforms[t])
         ids[:, t] = tok
+        if hiddens is not None:
+            hiddens[:, t] = hidden
         alive &= ~torch.isin(tok, stop)
         if t + 1 == n_new or not alive.any():
             break
-        logits = decoder.step(tok, t)
+        logits, hidden = decoder.step(tok, t)
     ids, logp = ids[:, :t + 1], logp[:, :t + 1]
     is_stop = torch.isin(ids, stop)
     mask = (is_stop.cumsum(1) - is_stop.long()) == 0  # no stop token strictly before t
-    return Samples(ids.masked_fill(~mask, params.pad_id), mask.float(), logp * mask, ~alive)
+    return Samples(ids.masked_fill(~mask, params.pad_id), mask.float(), logp * mask, ~alive,
+                   None if hiddens is None else hiddens[:, :t + 1])

@@ -3,9 +3,10 @@
 The recipe is Ziegler et al. 2019 as TRL's PPOTrainer implements it: per-token reward = -beta * KL to
 the frozen reference on every response token plus the reward function's score on the last one; GAE
 over response tokens (gamma 1, lambda 0.95); advantages whitened over the batch's real tokens; clipped
-surrogate and clipped value loss; fixed or adaptive beta. Deliberate differences from TRL: the model
-layouts (`policy.py`: LoRA with the reference = adapters off, no second copy), our own KV-cache decode
-loop, one scoring pass per model, and micro-batch losses normalized by the mini-batch's token count so
+surrogate and clipped value loss; fixed or adaptive beta; old log-probs are the sampler's, as in TRL.
+Deliberate differences from TRL: the model layouts (`policy.py`: LoRA with the reference = adapters
+off, no second copy), our own KV-cache decode loop (which also hands over the values when the value
+head reads the policy's trunk), and micro-batch losses normalized by the mini-batch's token count so
 that gradient accumulation gives exactly the mini-batch gradient. Left out: reward-model training,
 multi-process training, value-head warm-up, per-token entropy regularization beyond `ent_coef`.
 """
@@ -136,11 +137,24 @@ class RLHFTrainer:
 
     @torch.inference_mode()
     def evaluate(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
-        """Old log-probs and values (one policy pass), reference log-probs (one pass), all fp32."""
+        """Old log-probs and values, reference log-probs, all fp32, for the rollout.
+
+        Old log-probs are the sampler's: the distribution the tokens were drawn from, as in TRL. Values
+        come from the sampler's hidden states when the value head reads the policy's trunk, else from
+        the critic's pass. `recompute_logprobs` instead takes both from one full policy pass, the same
+        computation as the update's, so its first ratio is exactly 1 under bf16 too. The reference
+        always takes one pass.
+        """
         n, resp = samples.response_ids.shape[1], samples.response_ids
         with self.precision.autocast():
-            hidden, values = self.layout.forward(ids, mask, n)
-            logp = self._chunked_logprobs(self.layout.logits, hidden, resp)
+            if self.cfg.recompute_logprobs:
+                hidden, values = self.layout.forward(ids, mask, n)
+                logp = self._chunked_logprobs(self.layout.logits, hidden, resp)
+            else:
+                logp = samples.logp
+                values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
+                if values is None:
+                    values = self.layout.values(ids, mask, n)
             ref_logp = self._chunked_logprobs(self.layout.ref_logits, self.layout.ref_forward(ids, mask, n), resp)
         m = samples.response_mask
         return Rollout(ids, mask, samples.response_ids, m, logp * m, ref_logp * m, values * m, scores)
@@ -195,7 +209,7 @@ class RLHFTrainer:
         rows = [self.c.rows[i] for i in idx]
         ids, prompt_mask, samples = self.generate([self.c.prompt_ids[i] for i in idx], self.gen)
         gen_s = time.perf_counter() - start
-        # 2. score: reward on the decoded text; old / reference log-probs and values from one pass each
+        # 2. score: reward on the decoded text; reference log-probs (and what the sampler lacks) in a pass
         texts = self.completions(samples)
         scores = self.score(rows, texts, samples)
         mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
