@@ -15,9 +15,9 @@ construction (model loading) is outside the timed span, as on the TRL side. Peak
 process's VmHWM at the end.
 
 Tokenizer: the workload's word-level tokenizer sits in its own folder (see rlhf_workloads.py: next to
-a qwen2 config.json, transformers 5 replaces it with a byte-level Qwen2Tokenizer). RLHFConfig has no
-field for a tokenizer separate from the model, so this worker redirects AutoTokenizer loads of the
-workload's model folders to that folder. It changes which files are read, nothing in ppoforge's code.
+a qwen2 config.json, transformers 5 replaces it with a byte-level Qwen2Tokenizer). The config's
+`tokenizer` field points there; the reward checkpoint has no tokenizer files, so it shares the
+policy's (as TRL's PPO requires of its reward model).
 """
 
 from __future__ import annotations
@@ -46,27 +46,12 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def redirect_tokenizer(wdir: Path) -> None:
-    """AutoTokenizer.from_pretrained(<workload policy/ or reward/>) -> the workload's tokenizer/ folder."""
-    from transformers import AutoTokenizer
-
-    original = AutoTokenizer.from_pretrained.__func__
-    model_dirs = {(wdir / "policy").resolve(), (wdir / "reward").resolve()}
-
-    def from_pretrained(cls, path, *args, **kwargs):
-        if Path(str(path)).resolve() in model_dirs:
-            path = wdir / "tokenizer"
-        return original(cls, path, *args, **kwargs)
-
-    AutoTokenizer.from_pretrained = classmethod(from_pretrained)
-
-
 def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace):
     from ppoforge.config import build_config
     from ppoforge.lm.config import RLHFConfig
 
     return build_config(RLHFConfig, {
-        "model": str(wdir / "policy"), "layout": args.layout,
+        "model": str(wdir / "policy"), "tokenizer": str(wdir / "tokenizer"), "layout": args.layout,
         "critic_model": str(wdir / "reward") if args.layout == "full" else None,
         "prompts": str(wdir / "prompts.jsonl"), "heldout_prompts": None, "use_chat_template": False,
         "reward": f"model:{wdir / 'reward'}",
@@ -89,12 +74,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     wdir = Path(args.workload_dir).resolve()
     w = rlhf_workloads.load_workload(wdir)
-    redirect_tokenizer(wdir)
     t_setup = time.perf_counter()
     run_dir = tempfile.TemporaryDirectory(prefix="bench-ppoforge-")  # removed when the process exits
     trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(run_dir.name))
     setup_s = time.perf_counter() - t_setup
-    # Both frameworks must see the same prompt token ids (this also proves the tokenizer redirect).
+    # Both frameworks must see the same prompt token ids (this also proves the right tokenizer loaded).
     same = sorted(map(list, trainer.c.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
     assert same, "ppoforge tokenized the workload prompts differently from the TRL side"
 

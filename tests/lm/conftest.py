@@ -16,6 +16,7 @@ so even a random policy emits text a sentiment reward can tell apart.
 from __future__ import annotations
 
 import random
+import shutil
 
 import datasets
 import huggingface_hub.constants
@@ -55,6 +56,23 @@ def make_tokenizer(specials: list[str], **special_roles) -> PreTrainedTokenizerF
     rng = random.Random(0)
     corpus = [" ".join(rng.sample(WORDS, len(WORDS))) for _ in range(20)] + [w.capitalize() for w in WORDS]
     return bpe_tokenizer(corpus, specials, 1000, **special_roles)
+
+
+def _split_checkpoint(src, dest):
+    """Copy a checkpoint into dest/model (weights and configs only) and dest/tokenizer (tokenizer only)."""
+    for sub, keep in (("model", lambda n: "token" not in n and "chat" not in n), ("tokenizer", lambda n: not
+                      n.endswith((".safetensors", "config.json")) or n == "tokenizer_config.json")):
+        (dest / sub).mkdir(parents=True)
+        for f in src.iterdir():
+            if keep(f.name):
+                shutil.copy(f, dest / sub / f.name)
+    return dest / "model", dest / "tokenizer"
+
+
+@pytest.fixture
+def split_checkpoint():
+    """(src, dest) -> (dest/model, dest/tokenizer): a checkpoint split into bare weights and tokenizer."""
+    return _split_checkpoint
 
 
 @pytest.fixture

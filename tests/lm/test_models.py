@@ -98,6 +98,34 @@ def test_tokenizer_adds_pad_and_model_grows_embeddings(tiny_llama_dir):
     assert load_causal_lm(str(tiny_llama_dir)).get_input_embeddings().num_embeddings == len(tok)
 
 
+def test_tokenizer_from_its_own_folder_takes_the_models_stop_tokens(tmp_path, tiny_lm_dir, split_checkpoint):
+    model_dir, tok_dir = split_checkpoint(tiny_lm_dir, tmp_path)
+    assert not (tok_dir / "config.json").exists() and not (model_dir / "tokenizer.json").exists()
+    with pytest.raises(UserError, match=r"^model: no tokenizer files in .*set `tokenizer`"):
+        load_tokenizer(str(model_dir))
+    with pytest.raises(UserError, match=r"^tokenizer: no model at /nowhere"):
+        load_tokenizer("/nowhere", model=str(model_dir), field="tokenizer")
+    tok = load_tokenizer(str(tok_dir), model=str(model_dir))
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    # the model's generation config says <|endoftext|> stops too: the pad must move off it
+    GenerationConfig(eos_token_id=[tok.eos_token_id, tok.pad_token_id]).save_pretrained(model_dir)
+    assert load_tokenizer(str(tok_dir)).pad_token == "<|endoftext|>"  # no model: nothing says so
+    assert load_tokenizer(str(tok_dir), model=str(model_dir)).pad_token == "<|pad|>"
+
+
+def test_reward_model_without_tokenizer_uses_the_policys(tmp_path, tiny_reward_model_dir, tiny_lm_dir,
+                                                          split_checkpoint):
+    from ppoforge.lm.rewards import build_reward
+
+    bare, _ = split_checkpoint(tiny_reward_model_dir, tmp_path)
+    policy_tok = load_tokenizer(str(tiny_lm_dir))
+    reward = build_reward(f"model:{bare}", policy_tokenizer=policy_tok)
+    assert reward.terms[0][1].tokenizer is policy_tok
+    assert len(reward(["tell me"], [" a great day"])) == 1
+    own = build_reward(f"model:{tiny_reward_model_dir}", policy_tokenizer=policy_tok)
+    assert own.terms[0][1].tokenizer is not policy_tok  # a folder with its own tokenizer keeps it
+
+
 def test_pad_avoids_generation_config_stop_tokens(tmp_path, tiny_lm_dir):
     shutil.copytree(tiny_lm_dir, tmp_path, dirs_exist_ok=True)
     tok = load_tokenizer(str(tmp_path))

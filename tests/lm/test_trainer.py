@@ -145,6 +145,17 @@ def test_bf16_first_ratio(cfg_for, tmp_path, recompute):
         assert abs(ratio - 1) < 1e-3 and approx_kl < 1e-4 and metrics["policy/clipfrac_avg"] == 0
 
 
+def test_tokenizer_field_with_bare_model_and_reward_checkpoints(cfg_for, tmp_path, tiny_lm_dir,
+                                                               tiny_reward_model_dir, split_checkpoint):
+    model_dir, tok_dir = split_checkpoint(tiny_lm_dir, tmp_path / "policy")
+    reward_dir, _ = split_checkpoint(tiny_reward_model_dir, tmp_path / "reward")
+    cfg = cfg_for(model=str(model_dir), tokenizer=str(tok_dir), reward=f"model:{reward_dir}")
+    trainer = RLHFTrainer(cfg, tmp_path / "run")
+    assert trainer.tokenizer.chat_template  # the tokenizer folder's, with its chat template
+    metrics, table = trainer.train_one_update()
+    assert len(table) == 4 and all(isinstance(r["score"], float) for r in table)
+
+
 def _grads_and_params_after_one_update(cfg, run_dir):
     """One update with plain SGD (Adam's first step is ~sign(g), which amplifies rounding)."""
     trainer = RLHFTrainer(cfg, run_dir, reward_fn=word_reward)

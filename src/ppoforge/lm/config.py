@@ -19,6 +19,7 @@ from ppoforge.runtime.precision import PRECISION_CHOICES
 class RLHFConfig:
     # ---- models
     model: str = param("smollm2-135m-instruct", "policy model: a checkpoint dir, a hub id or a built-in name")
+    tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")
     layout: str = param("lora", "lora: frozen base + adapters, reference = adapters off; full: TRL's 4 models",
                         choices=("lora", "full"))
     lora_r: int = param(16, "LoRA rank", lo=1)
@@ -37,7 +38,7 @@ class RLHFConfig:
                                         "(eval/ metrics); none to skip")
     use_chat_template: bool = param(True, "wrap prompts in the tokenizer's chat template when it has one")
     reward: str = param("vader", "reward spec, comma-separated: vader, length:N, format:REGEX, "
-                        "eos_penalty:X, model:PATH, py:module:function")
+                        "eos_penalty:X, model:PATH (its own tokenizer, else the policy's), py:module:function")
     reward_weights: str | None = param(None, "comma-separated weight per reward term (default: all 1)")
     missing_eos_penalty: float | None = param(None, "subtract this from the score of completions that hit "
                                               "max_new_tokens without a stop token", lo=0.0)

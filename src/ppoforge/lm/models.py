@@ -40,6 +40,7 @@ from ppoforge.lm import smollm2
 
 ALLOWED_MODELS = f"a local directory with config.json, a hub id, or a built-in name ({smollm2.NAME})"
 PAD_TOKEN = "<|pad|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -48,18 +49,25 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A checkpoint directory or hub id for `from_pretrained`; builds the built-in model's cache."""
+def resolve_model(name_or_path: str, field: str = "model") -> str:
+    """A checkpoint directory or hub id for `from_pretrained`; builds the built-in model's cache.
+    `field` names the config field in errors."""
     if name_or_path == smollm2.NAME:
         return str(smollm2.ensure_cached())
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UserError(f"model: no config.json in {path}; allowed: {ALLOWED_MODELS}")
+            raise UserError(f"{field}: no config.json in {path}; allowed: {ALLOWED_MODELS}")
         return str(path)
     if path.exists() or name_or_path.startswith(("~", ".")) or not _HUB_ID.match(name_or_path):
-        raise UserError(f"model: no model at {name_or_path}; allowed: {ALLOWED_MODELS}")
+        raise UserError(f"{field}: no model at {name_or_path}; allowed: {ALLOWED_MODELS}")
     return name_or_path
+
+
+def has_tokenizer_files(name_or_path: str) -> bool:
+    """False only for a local folder holding none of a tokenizer's files (e.g. a bare model checkpoint)."""
+    path = Path(name_or_path).expanduser()
+    return not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _stop_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> set[int]:
@@ -83,15 +91,22 @@ def _ensure_distinct_pad(tokenizer: PreTrainedTokenizerBase, stops: set[int]) ->
     tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The model's tokenizer with left padding and a pad token distinct from every stop token."""
-    path = resolve_model(name_or_path)
+def load_tokenizer(name_or_path: str, model: str | None = None, field: str = "model") -> PreTrainedTokenizerBase:
+    """The tokenizer at `name_or_path` (a folder with tokenizer files, or anything `resolve_model` takes)
+    with left padding and a pad token distinct from every stop token, the generation config's included:
+    that comes from `model` (default: `name_or_path`). `field` names the config field in errors."""
+    folder = Path(name_or_path).expanduser()
+    tokenizer_only = folder.is_dir() and not (folder / "config.json").is_file() and has_tokenizer_files(str(folder))
+    path = str(folder) if tokenizer_only else resolve_model(name_or_path, field)
+    if not has_tokenizer_files(path):
+        raise UserError(f"{field}: no tokenizer files in {path} ({', '.join(TOKENIZER_FILES)}); allowed: a "
+                        "folder or hub id with a tokenizer (set `tokenizer` when the model's folder has none)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - every failure here means the same thing to the user
-        raise UserError(f"model: cannot load a tokenizer from {path} ({_first_line(e)})") from None
+        raise UserError(f"{field}: cannot load a tokenizer from {path} ({_first_line(e)})") from None
     tokenizer.padding_side = "left"
-    _ensure_distinct_pad(tokenizer, _stop_token_ids(tokenizer, path))
+    _ensure_distinct_pad(tokenizer, _stop_token_ids(tokenizer, resolve_model(model) if model else path))
     return tokenizer
 
 

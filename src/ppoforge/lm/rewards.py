@@ -223,7 +223,7 @@ def _number(item: str, text: str, kind: type):
     return value
 
 
-def _build_one(item: str, device, model_kwargs: dict) -> RewardFn:
+def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict) -> RewardFn:
     kind, _, arg = item.partition(":")
     if item == "vader":
         return vader_sentiment
@@ -234,7 +234,11 @@ def _build_one(item: str, device, model_kwargs: dict) -> RewardFn:
     if kind == "eos_penalty" and arg:
         return missing_eos_penalty(_number(item, arg, float))
     if kind == "model" and arg:
-        return RewardModelScorer(arg, device=device, **model_kwargs)
+        from ppoforge.lm.models import has_tokenizer_files
+
+        # a checkpoint saved without its tokenizer shares the policy's (what TRL's PPO always assumed)
+        tokenizer = None if has_tokenizer_files(arg) else policy_tokenizer
+        return RewardModelScorer(arg, tokenizer=tokenizer, device=device, **model_kwargs)
     if kind == "py" and arg:
         return _load_python(arg)
     raise UserError(f"reward: unknown item {item!r}; allowed: {ALLOWED_SPECS} (comma-separated)")
@@ -246,10 +250,12 @@ def split_spec(spec: str) -> list[str]:
     return [p.strip() for p in parts]
 
 
-def build_reward(spec: str, weights: str | None = None, device="cpu", **model_kwargs) -> WeightedSum:
+def build_reward(spec: str, weights: str | None = None, device="cpu", policy_tokenizer=None,
+                 **model_kwargs) -> WeightedSum:
     """The reward described by `spec` (e.g. "vader,eos_penalty:1") with optional weights ("1,0.5").
 
-    `model_kwargs` (dtype, attn_implementation) go to the reward models' loader."""
+    A reward model folder without tokenizer files uses `policy_tokenizer`. `model_kwargs` (dtype,
+    attn_implementation) go to the reward models' loader."""
     items = split_spec(spec)
     if weights is None:
         ws = [1.0] * len(items)
@@ -258,5 +264,5 @@ def build_reward(spec: str, weights: str | None = None, device="cpu", **model_kw
         if len(ws) != len(items):
             raise UserError(f"reward weights: {len(ws)} weights for {len(items)} rewards "
                             f"({', '.join(items)}); allowed: one weight per reward, comma-separated")
-    return WeightedSum([(item, _build_one(item, device, model_kwargs), w)
+    return WeightedSum([(item, _build_one(item, device, policy_tokenizer, model_kwargs), w)
                         for item, w in zip(items, ws, strict=True)])

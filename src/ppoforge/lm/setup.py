@@ -98,7 +98,8 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
 
     device = resolve_device(cfg.device)
     precision = make_precision(cfg.precision, device)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
+                               field="tokenizer" if cfg.tokenizer else "model")
     attn = attention_for(cfg.attn_implementation, device)
     frozen_dtype = precision.dtype or torch.float32  # weights that never train: the reference, reward models
     layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
@@ -108,8 +109,8 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if reward_fn is None:
-        reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, dtype=frozen_dtype,
-                                 attn_implementation=attn)
+        reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
+                                 dtype=frozen_dtype, attn_implementation=attn)
         name = cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
