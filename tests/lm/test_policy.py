@@ -39,6 +39,34 @@ def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
         assert hf_hidden is None
 
 
+def test_decoders_over_a_bf16_base_apply_the_adapter_unmerged(tiny_lm_dir, monkeypatch):
+    """A bf16 merge would round W + s * B @ A and lose small deltas: both decoders keep the adapter
+    separate, and their log-probs equal the adapter forward's under autocast bit for bit."""
+    from ppoforge.lm import policy
+
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=torch.bfloat16), 4, 8.0, "all-linear", False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in layout.named_trainable():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)  # a young adapter: a delta far below the base weights' bf16 spacing
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    plus_one = torch.cat([ids, torch.full((2, 1), 3)], 1)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden, _ = layout.forward(plus_one, torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float(), 1)
+        want = layout.logits(hidden)[:, -1]
+        with layout.decoder() as lean:
+            assert isinstance(lean, LlamaDecoder)
+            assert torch.equal(lean.prefill(ids, mask, 2)[0], want)
+        monkeypatch.setattr(policy, "is_llama_family", lambda config: False)  # any other architecture
+        q = layout.peft.base_model.model.model.layers[0].self_attn.q_proj
+        base_weight = q.base_layer.weight
+        with layout.decoder() as hf:
+            assert isinstance(hf, HFDecoder) and q.base_layer.weight is base_weight and not q.disable_adapters
+            assert torch.equal(hf.prefill(ids, mask, 2)[0], want)
+
+
 def test_merged_lora_restores_the_same_base_weight_objects(tiny_lm_dir):
     layout = _trained_lora(tiny_lm_dir)
     q = layout.peft.base_model.model.model.layers[0].self_attn.q_proj

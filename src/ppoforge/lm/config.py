@@ -66,9 +66,9 @@ class RLHFConfig:
     kl_estimator: str = param("k1", "per-token KL estimator in the reward", choices=KL_ESTIMATORS)
     kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0)
     kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1)
-    recompute_logprobs: bool = param(False, "recompute old log-probs and values in a full forward after "
-                                     "sampling (an exactly-1 first ratio under bf16; one more pass); default: "
-                                     "the sampler's, as TRL does (equal to ~1e-6 in fp32)")
+    recompute_logprobs: bool = param(False, "recompute old log-probs and values in a full policy pass after "
+                                     "sampling (one more forward); default: the sampler's, as TRL does - bit-"
+                                     "identical on CPU with eager attention, to rounding elsewhere")
     whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
     max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0)
     # ---- run

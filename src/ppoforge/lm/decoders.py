@@ -10,10 +10,10 @@
 - `HFDecoder`: the model's own forward with a `DynamicCache` and our 4D masks, for any other model.
 
 Both read the same masks and positions (`attention.py`), so their log-probs agree with the trainer's
-full forward to fp32 rounding. Each call returns the last position's logits and, where the decoder has
-it for free (LlamaDecoder), its final hidden state: what a value head on the policy's trunk reads.
-`linear_params` lets a caller substitute effective weights (the LoRA layout passes base + adapter,
-merged once per rollout) without touching the model.
+full forward to fp32 rounding; LlamaDecoder also computes norms and eager attention as Hugging Face
+does, so under bf16 it equals the trainer's eager forward bit for bit. Each call returns the last
+position's logits and, where the decoder has it for free (LlamaDecoder), its final hidden state: what a
+value head on the policy's trunk reads.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parame
 LLAMA_FAMILY = ("llama", "qwen2")
 
 LinearParams = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor | None]]
+# (A (r, in), B (out, r), scaling) of the adapter active on a Linear, or None: y = base(x) + B(A(x)) * scaling
+AdapterParams = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor, float] | None]
 
 
 Output = tuple[torch.Tensor, torch.Tensor | None]  # (B, V) logits, (B, H) final hidden state or None
@@ -49,6 +51,10 @@ class Decoder(Protocol):
 
 def plain_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, module.bias
+
+
+def no_adapters(module: nn.Module) -> None:
+    return None
 
 
 def is_llama_family(config) -> bool:
@@ -83,17 +89,16 @@ class HFDecoder:
 
 
 class _Layer:
-    """One decoder block's tensors."""
+    """One decoder block's modules, grouped the way the decoder multiplies them (see LINEARS)."""
 
-    def __init__(self, block: nn.Module, linear_params: LinearParams):
+    def __init__(self, block: nn.Module):
         attn, mlp = block.self_attn, block.mlp
-        self.q, self.k, self.v, self.o = (linear_params(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj,
-                                                                      attn.o_proj))  # (weight, bias)
-        self.gate, self.up, self.down = (linear_params(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.modules = {"qkv": (attn.q_proj, attn.k_proj, attn.v_proj), "o": (attn.o_proj,),
+                        "gate_up": (mlp.gate_proj, mlp.up_proj), "down": (mlp.down_proj,)}
         self.norm1, self.norm2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
 
 
-LINEARS = ("qkv", "o", "gate_up", "down")  # after _prepare_weights: q, k, v and gate, up stacked
+LINEARS = ("qkv", "o", "gate_up", "down")  # one matmul each per layer and token: q, k, v and gate, up stacked
 
 
 def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,6 +107,30 @@ def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Te
     if all(b is None for _, b in params):
         return weight, None
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
+
+
+def _stack_adapters(adapters: list, out_features: list[int], dtype: torch.dtype):
+    """The adapters of one stacked group as (A, B, scaling) for y += B(A(x)) * scaling, or None.
+
+    A stacks the targets' A matrices; B is block-diagonal (a target without adapter is a zero block),
+    so each output column sees only its own target's rank-r product. One scaling when the targets
+    share it (peft's `* scaling`, rounded as peft rounds it), else an fp32 vector, one per column.
+    """
+    present = [spec for spec in adapters if spec is not None]
+    if not present:
+        return None
+    empty = present[0][0].new_zeros(0, present[0][0].shape[1])
+    a_parts, b_parts, scales = [], [], []
+    for spec, n in zip(adapters, out_features, strict=True):
+        a, b, scale = spec if spec is not None else (empty, empty.new_zeros(n, 0), 0.0)
+        a_parts.append(a.to(dtype))
+        b_parts.append(b.to(dtype))
+        scales.append(scale)
+    a, b = torch.cat(a_parts), torch.block_diag(*b_parts)
+    if len({scale for _, _, scale in present}) == 1:
+        return a, b, present[0][2]
+    return a, b, torch.cat([torch.full((n,), scale, dtype=torch.float32, device=a.device)
+                            for n, scale in zip(out_features, scales, strict=True)])
 
 
 _ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -118,62 +147,97 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaDecoder:
-    """Lean KV-cached forward of a Llama-family causal LM (see the module docstring)."""
+    """Lean KV-cached forward of a Llama-family causal LM (see the module docstring).
 
-    def __init__(self, model: nn.Module, linear_params: LinearParams = plain_linear_params):
+    `linear_params` gives each Linear's (weight, bias) — the LoRA layout passes the frozen base's —
+    and `adapter_params` each Linear's LoRA adapter, applied unmerged as peft applies it, so under bf16
+    the sampled log-probs equal the trainer's forward bit for bit (tested). Merging instead would round
+    W + s * B @ A to bf16, which drops most of a young adapter's small delta: the sampler would draw
+    from a policy closer to the base than the one being trained.
+    """
+
+    def __init__(self, model: nn.Module, linear_params: LinearParams = plain_linear_params,
+                 adapter_params: AdapterParams = no_adapters):
         cfg, backbone = model.config, model.base_model
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eps, self.hidden = cfg.rms_norm_eps, cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.eager = getattr(cfg, "_attn_implementation", None) == "eager"  # else SDPA for the prefill
         self.embed = model.get_input_embeddings().weight
-        self.head = linear_params(model.get_output_embeddings())
+        self.head_module = model.get_output_embeddings()
         self.rotary = backbone.rotary_emb
         self.final_norm = backbone.norm.weight
-        self.layers = [_Layer(block, linear_params) for block in backbone.layers]
+        self.layers = [_Layer(block) for block in backbone.layers]
+        self.linear_params, self.adapter_params = linear_params, adapter_params
         self._cast_dtype = None  # the dtype the linear weights were prepared in (see _prepare_weights)
         self.linear = F.linear  # (x, weight, bias) -> x @ weight.T + bias; packed for oneDNN on CPU bf16
 
     def _prepare_weights(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Once per decoder (i.e. per rollout), before the first token:
+        """Once per decoder and dtype, before the first token (the LoRA layout keeps one decoder over
+        its frozen base, so this runs once per run; the full layout builds one per rollout):
         - under autocast, cast the linear weights to its dtype here instead of in every step's F.linear
           (autocast re-casts on every call outside one region; same values as its own cast);
         - stack q, k, v and gate, up: 4 matmuls per layer and token instead of 7;
         - on CPU in bf16, also reorder them into oneDNN's blocked layout. Decoding a few rows streams every
           weight from memory once per token, and plain F.linear repacks it on each call: prepacked, the
           decode's matmuls run ~1.5x faster here, with bit-identical results (tested)."""
-        if self._cast_dtype is not None:  # the per-layer q, k, v, gate, up are gone once stacked
-            if self._cast_dtype != dtype:
-                raise RuntimeError(f"this decoder's weights are {self._cast_dtype}; build a new one for {dtype}")
+        if self._cast_dtype == dtype:
             return
         cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
+        packing = device.type == "cpu" and dtype == torch.bfloat16 and _ONEDNN_PACKING
+        pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
         for layer in self.layers:
-            # fuse after the cast: the fp32 originals are never copied
-            layer.qkv = _concat(cast(layer.q), cast(layer.k), cast(layer.v))
-            layer.gate_up = _concat(cast(layer.gate), cast(layer.up))
-            layer.o, layer.down = cast(layer.o), cast(layer.down)
-            del layer.q, layer.k, layer.v, layer.gate, layer.up
-        self.head, self._cast_dtype = cast(self.head), dtype
-        if device.type == "cpu" and dtype == torch.bfloat16 and _ONEDNN_PACKING:
-            pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
-            for layer in self.layers:
-                for name in LINEARS:
-                    setattr(layer, name, pack(getattr(layer, name)))
-            self.head, self.linear = pack(self.head), _packed_linear
+            for name in LINEARS:  # fuse after the cast: the fp32 originals are never copied
+                fused = _concat(*[cast(self.linear_params(m)) for m in layer.modules[name]])
+                setattr(layer, name, pack(fused) if packing else fused)
+        head = cast(self.linear_params(self.head_module))
+        self.head = pack(head) if packing else head
+        self.linear, self._cast_dtype = (_packed_linear if packing else F.linear), dtype
+
+    def _prepare_adapters(self, dtype: torch.dtype) -> None:
+        """Every rollout (the adapters train): cast and stack each group's LoRA matrices."""
+        out_features = lambda modules: [self.linear_params(m)[0].shape[0] for m in modules]  # noqa: E731
+        for layer in self.layers:
+            layer.adapters = {name: _stack_adapters([self.adapter_params(m) for m in modules],
+                                                    out_features(modules), dtype)
+                              for name, modules in layer.modules.items()}
+        self.head_adapter = _stack_adapters([self.adapter_params(self.head_module)],
+                                            out_features([self.head_module]), dtype)
+
+    def _linear(self, x: torch.Tensor, weights: tuple, adapter) -> torch.Tensor:
+        """base(x) (+ B(A(x)) * scaling: peft's LoRA forward, op for op, so rounding matches it too)."""
+        y = self.linear(x, *weights)
+        if adapter is None:
+            return y
+        a, b, scale = adapter
+        u = F.linear(F.linear(x, a), b)
+        return y + (u * scale if isinstance(scale, float) else (u.float() * scale).to(u.dtype))
 
     def _norm(self, x, weight):
-        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+        """Llama's RMSNorm exactly as Hugging Face computes it (fp32 statistics, rounded to the input's
+        dtype before the weight multiplies): F.rms_norm rounds once, at the end, and under bf16 that
+        alone moved sampled log-probs by ~0.05 nats per token against the trainer's forward."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q (B, heads, S, hd), k and v (B, kv heads, L, hd), bool mask (B, 1, S, L) -> (B, heads, S, hd)."""
-        if q.shape[2] > 1:
+        """q (B, heads, S, hd), k and v (B, kv heads, L, hd), bool mask (B, 1, S, L) -> (B, heads, S, hd).
+
+        Eager math (Hugging Face's eager attention, bit for bit) for single-query steps, where three
+        small ops beat SDPA's flash kernel ~5x on CPU, and for the prefill when the model's own
+        attention is eager; otherwise SDPA, like the model. Grouped-query attention by folding each kv
+        head's query heads into the query-length dim.
+        """
+        batch, n = q.shape[0], q.shape[2]
+        if n > 1 and not self.eager:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        # One query per row: three small ops beat SDPA's flash kernel (~5x on CPU). Grouped-query
-        # attention by folding each kv head's query heads into the query-length dim.
-        batch, group = q.shape[0], self.n_heads // self.n_kv
-        q = q.reshape(batch, self.n_kv, group, self.head_dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim ** -0.5  # (B, kv heads, group, L)
-        probs = torch.softmax(torch.where(mask, scores, float("-inf")), dim=-1, dtype=torch.float32)
-        return torch.matmul(probs.to(v.dtype), v).reshape(batch, self.n_heads, 1, self.head_dim)
+        group = self.n_heads // self.n_kv
+        q = q.reshape(batch, self.n_kv, group * n, self.head_dim)
+        scores = (torch.matmul(q, k.transpose(-1, -2)) * self.head_dim ** -0.5).view(batch, self.n_kv, group, n, -1)
+        probs = torch.softmax(torch.where(mask[:, :, None], scores, float("-inf")), dim=-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(v.dtype).view(batch, self.n_kv, group * n, -1), v)  # (B, kv, group * S, hd)
+        return out.view(batch, self.n_heads, n, self.head_dim)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                  attn_mask: torch.Tensor) -> Output:
@@ -182,21 +246,22 @@ class LlamaDecoder:
         batch, n, end = x.shape[0], x.shape[1], start + x.shape[1]
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, hd)
         x = x.reshape(batch * n, -1)  # 2D activations: F.linear is then one fused addmm, not matmul + add
-        linear = self.linear
+        linear = self._linear
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
+            adapters = layer.adapters
             h = self._norm(x, layer.norm1)
-            qkv = linear(h, *layer.qkv).view(batch, n, self.n_heads + 2 * self.n_kv, self.head_dim)
+            qkv = linear(h, layer.qkv, adapters["qkv"]).view(batch, n, self.n_heads + 2 * self.n_kv, self.head_dim)
             qk = qkv[:, :, :self.n_heads + self.n_kv].transpose(1, 2)  # (B, heads + kv heads, S, hd): one RoPE
             qk = qk * cos + _rotate_half(qk) * sin
             k_cache[:, :, start:end] = qk[:, self.n_heads:]
             v_cache[:, :, start:end] = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
             o = self._attention(qk[:, :self.n_heads], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask)
-            x = x + linear(o.transpose(1, 2).reshape(batch * n, -1), *layer.o)
+            x = x + linear(o.transpose(1, 2).reshape(batch * n, -1), layer.o, adapters["o"])
             h = self._norm(x, layer.norm2)
-            gate, up = linear(h, *layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, *layer.down)
+            gate, up = linear(h, layer.gate_up, adapters["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, adapters["down"])
         hidden = self._norm(x.view(batch, n, -1)[:, -1], self.final_norm)
-        return linear(hidden, *self.head), hidden
+        return linear(hidden, self.head, self.head_adapter), hidden
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape
@@ -205,6 +270,7 @@ class LlamaDecoder:
         shape = (batch, self.n_kv, total, self.head_dim)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         self._prepare_weights(dtype, x.device)
+        self._prepare_adapters(dtype)
         self.k_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
         keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
@@ -221,8 +287,8 @@ class LlamaDecoder:
         return self._forward(x, cos, sin, slot, self.step_mask[..., :slot + 1])
 
 
-def decoder_for(model: nn.Module, linear_params: LinearParams = plain_linear_params) -> Decoder:
+def decoder_for(model: nn.Module) -> Decoder:
     """LlamaDecoder when the model is of the Llama family, else HFDecoder."""
     if is_llama_family(model.config):
-        return LlamaDecoder(model, linear_params)
+        return LlamaDecoder(model)
     return HFDecoder(model)

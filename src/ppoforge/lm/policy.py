@@ -73,28 +73,25 @@ def enable_gradient_checkpointing(lm: nn.Module) -> None:
             module.training = True
 
 
-@torch.no_grad()
-def _merged_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a Linear; for a LoRA Linear, base + the active adapters' deltas (a new tensor)."""
-    if not isinstance(module, LoraLayer):
-        return module.weight, module.bias
-    base = module.get_base_layer()
-    weight = base.weight
-    for name in module.active_adapters:
-        if isinstance(module, LoraLinear) and not module.fan_in_fan_out and not module.use_dora.get(name):
-            # one addmm in the base's dtype: W + s * B @ A, accumulated in fp32 and rounded once
-            a, b = (m[name].weight.to(weight.dtype) for m in (module.lora_A, module.lora_B))
-            weight = torch.addmm(weight, b, a, alpha=module.scaling[name])
-        else:
-            weight = (weight.float() + module.get_delta_weight(name).float()).to(weight.dtype)
-    return weight, base.bias
+def _base_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a Linear; for a LoRA Linear, its frozen base layer's."""
+    base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+    return base.weight, base.bias
+
+
+def _policy_adapter(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the policy's adapter ("default") on a LoRA Linear, else None."""
+    if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+        return None
+    return module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
 
 
 @contextlib.contextmanager
 def merged_lora(peft_model: nn.Module, adapter: str = "default"):
     """Decode with base + adapter merged into temporary weights: one matmul per adapted layer instead of
-    three, ~40% of a small model's decode step. The base weight objects are swapped out and back, never
-    modified, so the frozen base (and with it the reference) cannot drift by merge/unmerge rounding."""
+    three, ~40% of a small model's decode step. Only for an fp32 base (in bf16 the merge's rounding
+    swallows small adapter deltas). The base weight objects are swapped out and back, never modified,
+    so the frozen base (and with it the reference) cannot drift by merge/unmerge rounding."""
     swaps = []
     with torch.no_grad():
         for module in peft_model.modules():
@@ -170,8 +167,10 @@ class LoraLayout:
         self._trainable = [(n, p) for n, p in self.peft.named_parameters() if "lora_" in n]
         self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
         self._use_adapter("default")
-        self._only_linear_adapters = all(isinstance(m, LoraLinear) for m in self.peft.modules()
-                                         if isinstance(m, LoraLayer))
+        # what the lean decoder applies itself: plain (not DoRA, not Conv1D-style) LoRA on Linear layers
+        self._lean_adapters = all(isinstance(m, LoraLinear) and not m.fan_in_fan_out and not any(m.use_dora.values())
+                                  for m in self.peft.modules() if isinstance(m, LoraLayer))
+        self._lean = None  # the lean decoder, kept: it prepares the frozen base's weights once
         if next(base.parameters()).dtype != torch.float32:
             # A low-precision base only runs under autocast, which casts the activations for the
             # adapters' matmuls itself; peft's own cast of every adapter input to the adapters' fp32
@@ -181,11 +180,16 @@ class LoraLayout:
                     module.cast_input_dtype_enabled = False
 
     def decoder(self):
-        """The policy (base + adapter) as a decoder: the lean one reads merged weights, computed once per
-        rollout; otherwise the HF forward runs on temporarily swapped-in merged weights."""
-        if is_llama_family(self.policy_model.config) and self._only_linear_adapters:
-            return contextlib.nullcontext(LlamaDecoder(self.policy_model, _merged_linear_params))
-        return _yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
+        """The policy (base + adapter) as a decoder. The lean one reads the frozen base's weights,
+        prepared once, and applies the adapter unmerged each step, as the trainer's forward does; the
+        HF forward runs on merged weights over an fp32 base (exact to fp32 rounding), else unmerged."""
+        if is_llama_family(self.policy_model.config) and self._lean_adapters:
+            if self._lean is None:
+                self._lean = LlamaDecoder(self.policy_model, _base_linear_params, _policy_adapter)
+            return contextlib.nullcontext(self._lean)
+        if self.policy_model.get_input_embeddings().weight.dtype == torch.float32:
+            return _yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
+        return contextlib.nullcontext(HFDecoder(self.policy_model))
 
     def _use_adapter(self, name: str) -> None:
         # peft's set_adapter also flips requires_grad off on the inactive adapter, which would stop its
