@@ -240,7 +240,15 @@ def test_cli_trains_and_resumes(tiny_lm_dir, prompts_file, tmp_path, capsys):
     code, err = _cli(capsys, "--preset", "tiny", "--total-updates", "1", "--run-dir", str(run), *common)
     assert code == 0, err
     assert (run / "policy" / "config.json").is_file()
-    assert [r.get("eval/scores") is not None for r in read_metrics(run / "metrics.jsonl")] == [True, False, True]
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [r.get("eval/scores") is not None for r in metrics] == [True, False, True]
+    # held-out: every prompt sampled heldout_samples (default 4) times, before and after; eval/scores is their mean
+    heldout = [r for r in map(json.loads, (run / "completions.jsonl").read_text().splitlines())
+               if r["split"] == "heldout"]
+    assert len(heldout) == 2 * len(PROMPTS) * 4
+    before = [r for r in heldout if r["step"] == 0]
+    assert sorted(r["sample"] for r in before) == sorted(list(range(4)) * len(PROMPTS))
+    assert metrics[0]["eval/scores"] == pytest.approx(sum(r["score"] for r in before) / len(before))
     code, err = _cli(capsys, "--resume", str(run), "--total-updates", "2")
     assert code == 0, err
     assert read_metrics(run / "metrics.jsonl")[-2]["step"] == 2

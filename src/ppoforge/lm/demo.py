@@ -22,7 +22,7 @@ SHOWN = 4  # held-out prompts printed before/after
 
 
 def heldout_before_after(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """The held-out completions logged at the first and at the last held-out evaluation."""
+    """The held-out completions (every sample) logged at the first and at the last held-out evaluation."""
     rows = [json.loads(line) for line in (Path(run_dir) / "completions.jsonl").read_text().splitlines() if line]
     heldout = [r for r in rows if r["split"] == "heldout"]
     steps = sorted({r["step"] for r in heldout})
@@ -42,7 +42,8 @@ def summary(run_dir: Path) -> str:
     tail = train_rows[-5:]
     width = 46
     lines = [f"{'held-out prompt':<30} | {'before':<{width}} | after"]
-    for b, a in list(zip(before, after, strict=True))[:SHOWN]:
+    first = [(b, a) for b, a in zip(before, after, strict=True) if b.get("sample", 0) == 0]
+    for b, a in first[:SHOWN]:
         left = textwrap.wrap(f"[{b['score']:+.2f}] {b['completion']}", width) or [""]
         right = textwrap.wrap(f"[{a['score']:+.2f}] {a['completion']}", width) or [""]
         prompt = textwrap.wrap(b["prompt"], 30)
@@ -51,7 +52,8 @@ def summary(run_dir: Path) -> str:
             lines.append(f"{cells[0]:<30} | {cells[1]:<{width}} | {cells[2]}")
         lines.append("-" * (30 + 2 * width + 6))
     lines.append(f"held-out mean VADER score: {_mean(r['score'] for r in before):+.3f} (before) -> "
-                 f"{_mean(r['score'] for r in after):+.3f} (after), {len(after)} prompts")
+                 f"{_mean(r['score'] for r in after):+.3f} (after), {len(first)} prompts x "
+                 f"{len(after) // max(len(first), 1)} samples")
     lines.append(f"last {len(tail)} updates: mean score {_mean(m['objective/scores'] for m in tail):+.3f}, "
                  f"KL to the reference {_mean(m['objective/kl'] for m in tail):.3f} nats per response")
     return "\n".join(lines)

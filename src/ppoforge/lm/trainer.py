@@ -139,11 +139,11 @@ class RLHFTrainer:
     def evaluate(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
         """Old log-probs and values, reference log-probs, all fp32, for the rollout.
 
-        Old log-probs are the sampler's: the distribution the tokens were drawn from, as in TRL. Values
-        come from the sampler's hidden states when the value head reads the policy's trunk, else from
-        the critic's pass. `recompute_logprobs` instead takes both from one full policy pass, the same
-        computation as the update's, so its first ratio is exactly 1 under bf16 too. The reference
-        always takes one pass.
+        Old log-probs are the sampler's: the distribution the tokens were drawn from, as in TRL (the
+        lean decoder computes them exactly as the update's forward does on CPU). Values come from the
+        sampler's hidden states when the value head reads the policy's trunk, else from the critic's
+        pass. `recompute_logprobs` takes both from one full policy pass instead, for kernels where the
+        sampler and the full forward round differently (SDPA, GPUs). The reference always takes a pass.
         """
         n, resp = samples.response_ids.shape[1], samples.response_ids
         with self.precision.autocast():
@@ -243,18 +243,23 @@ class RLHFTrainer:
 
     # ---- held-out evaluation and the run loop -------------------------------------------------------
     def heldout_scores(self) -> tuple[float, list[dict]] | None:
-        """Mean score on the held-out prompts (its own generator: training's RNG stream is untouched)."""
+        """Mean score over `heldout_samples` completions of each held-out prompt, and their table rows
+        (its own generator, so training's RNG stream is untouched and every evaluation sees the same draws)."""
         if not self.c.heldout_rows:
             return None
         gen = torch.Generator(self.c.device).manual_seed(self.cfg.seed + 1)
-        table, bs = [], self.cfg.batch_size
-        for s in range(0, len(self.c.heldout_rows), bs):
-            rows = self.c.heldout_rows[s:s + bs]
-            _, _, samples = self.generate(self.c.heldout_ids[s:s + bs], gen)
+        k, bs = self.cfg.heldout_samples, self.cfg.batch_size
+        # each prompt k times in a row: (prompt, sample) pairs, batched like training rollouts
+        pairs = [(i, j) for i in range(len(self.c.heldout_rows)) for j in range(k)]
+        table = []
+        for s in range(0, len(pairs), bs):
+            batch = pairs[s:s + bs]
+            rows = [self.c.heldout_rows[i] for i, _ in batch]
+            _, _, samples = self.generate([self.c.heldout_ids[i] for i, _ in batch], gen)
             texts = self.completions(samples)
             scores = self.score(rows, texts, samples).tolist()
-            table += [{"prompt": r[self.cfg.prompt_field], "completion": t, "score": x}
-                      for r, t, x in zip(rows, texts, scores, strict=True)]
+            table += [{"prompt": r[self.cfg.prompt_field], "sample": j, "completion": t, "score": x}
+                      for r, (_, j), t, x in zip(rows, batch, texts, scores, strict=True)]
         return sum(r["score"] for r in table) / len(table), table
 
     def run(self) -> TrainResult:
