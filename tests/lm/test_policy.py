@@ -49,7 +49,7 @@ def test_decoders_over_a_bf16_base_apply_the_adapter_unmerged(tiny_lm_dir, monke
     with torch.no_grad():
         for name, p in layout.named_trainable():
             if "lora_B" in name:
-                p.normal_(0, 0.02)  # a young adapter: a delta far below the base weights' bf16 spacing
+                p.normal_(0, 0.02)  # a real delta (merging it in bf16 would change the logits)
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     plus_one = torch.cat([ids, torch.full((2, 1), 3)], 1)
@@ -76,3 +76,26 @@ def test_merged_lora_restores_the_same_base_weight_objects(tiny_lm_dir):
         assert not torch.equal(q.base_layer.weight, snapshot)  # the merged weight is in use
     assert q.base_layer.weight is original and torch.equal(original, snapshot)
     assert not q.disable_adapters  # adapters are back on
+
+
+def test_export_over_a_bf16_base_merges_and_saves_in_fp32(tiny_lm_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=torch.bfloat16), 4, 8.0, "all-linear", False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in layout.named_trainable():
+            if "lora_B" in name:
+                p.normal_(0, 1e-4)  # a young adapter: a delta near the base weights' bf16 spacing
+    q = layout.peft.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        want = q.base_layer.weight.float() + q.scaling["default"] * q.lora_B["default"].weight @ q.lora_A[
+            "default"].weight
+        delta = want - q.base_layer.weight.float()
+        rounded = want.bfloat16().float() - q.base_layer.weight.float()
+    assert (rounded - delta).norm() > 0.3 * delta.norm()  # the premise: a bf16 merge would lose much of it
+    layout.export(tmp_path / "policy")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").model.layers[0].self_attn.q_proj.weight
+    assert exported.dtype == torch.float32
+    torch.testing.assert_close(exported, want, atol=1e-6, rtol=1e-6)
+    assert q.base_layer.weight.dtype == torch.bfloat16  # the live model is untouched
