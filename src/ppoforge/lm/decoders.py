@@ -187,22 +187,24 @@ class LlamaDecoder:
         packing = device.type == "cpu" and dtype == torch.bfloat16 and _ONEDNN_PACKING
         pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
         for layer in self.layers:
+            layer.out_features = {}
             for name in LINEARS:  # fuse after the cast: the fp32 originals are never copied
-                fused = _concat(*[cast(self.linear_params(m)) for m in layer.modules[name]])
+                params = [cast(self.linear_params(m)) for m in layer.modules[name]]
+                layer.out_features[name] = [w.shape[0] for w, _ in params]
+                fused = _concat(*params)
                 setattr(layer, name, pack(fused) if packing else fused)
         head = cast(self.linear_params(self.head_module))
+        self.head_out_features = [head[0].shape[0]]
         self.head = pack(head) if packing else head
         self.linear, self._cast_dtype = (_packed_linear if packing else F.linear), dtype
 
     def _prepare_adapters(self, dtype: torch.dtype) -> None:
         """Every rollout (the adapters train): cast and stack each group's LoRA matrices."""
-        out_features = lambda modules: [self.linear_params(m)[0].shape[0] for m in modules]  # noqa: E731
         for layer in self.layers:
             layer.adapters = {name: _stack_adapters([self.adapter_params(m) for m in modules],
-                                                    out_features(modules), dtype)
+                                                    layer.out_features[name], dtype)
                               for name, modules in layer.modules.items()}
-        self.head_adapter = _stack_adapters([self.adapter_params(self.head_module)],
-                                            out_features([self.head_module]), dtype)
+        self.head_adapter = _stack_adapters([self.adapter_params(self.head_module)], self.head_out_features, dtype)
 
     def _linear(self, x: torch.Tensor, weights: tuple, adapter) -> torch.Tensor:
         """base(x) (+ B(A(x)) * scaling: peft's LoRA forward, op for op, so rounding matches it too)."""

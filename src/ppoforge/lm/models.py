@@ -96,7 +96,7 @@ def load_tokenizer(name_or_path: str, model: str | None = None, field: str = "mo
     with left padding and a pad token distinct from every stop token, the generation config's included:
     that comes from `model` (default: `name_or_path`). `field` names the config field in errors."""
     folder = Path(name_or_path).expanduser()
-    tokenizer_only = folder.is_dir() and not (folder / "config.json").is_file() and has_tokenizer_files(str(folder))
+    tokenizer_only = folder.is_dir() and not (folder / "config.json").is_file()  # no model: nothing to resolve
     path = str(folder) if tokenizer_only else resolve_model(name_or_path, field)
     if not has_tokenizer_files(path):
         raise UserError(f"{field}: no tokenizer files in {path} ({', '.join(TOKENIZER_FILES)}); allowed: a "
