@@ -13,7 +13,8 @@ Both read the same masks and positions (`attention.py`), so their log-probs agre
 full forward to fp32 rounding; LlamaDecoder also computes norms and eager attention as Hugging Face
 does, so under bf16 it equals the trainer's eager forward bit for bit. Each call returns the last
 position's logits and, where the decoder has it for free (LlamaDecoder), its final hidden state: what a
-value head on the policy's trunk reads.
+value head on the policy's trunk reads. `LlamaDecoder.base_hidden` runs whole sequences through the
+same prepared weights with the adapters off: the LoRA layout's reference pass.
 """
 
 from __future__ import annotations
