@@ -278,9 +278,23 @@ class LlamaDecoder:
         """x (B, S, H) at cache slots [start, start + S) -> logits (B, V) and final hidden (B, H) of the
         last position."""
         batch, n = x.shape[:2]
-        x = self._blocks(x, cos, sin, start, attn_mask, zip(self.k_cache, self.v_cache, strict=True))
+        x = self._blocks(x, cos, sin, start, attn_mask, self.caches)
         hidden = self._norm(x.view(batch, n, -1)[:, -1], self.final_norm)
         return self._linear(hidden, self.head, self.head_adapter), hidden
+
+    def _embed_and_prepare(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """Token embeddings, and the compute dtype (autocast's, else the weights') with the weights
+        prepared for it."""
+        x = F.embedding(ids, self.embed)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        self._prepare_weights(dtype, x.device)
+        return x, dtype
+
+    def _new_caches(self, batch: int, length: int, dtype: torch.dtype, device: torch.device) -> list:
+        """One (k, v) cache pair per layer, (B, kv heads, length, hd) each."""
+        shape = (batch, self.n_kv, length, self.head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in self.layers]
 
     @torch.no_grad()
     def base_hidden(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
@@ -288,25 +302,17 @@ class LlamaDecoder:
         the T response tokens of ids (B, P + T): what `policy.response_hidden` returns for the base
         model, here through the weights the sampler prepared (the LoRA layout's reference pass)."""
         batch, n = ids.shape
-        x = F.embedding(ids, self.embed)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        self._prepare_weights(dtype, x.device)
-        shape = (batch, self.n_kv, n, self.head_dim)
-        caches = [(x.new_empty(shape, dtype=dtype), x.new_empty(shape, dtype=dtype)) for _ in self.layers]
+        x, dtype = self._embed_and_prepare(ids)
         cos, sin = self.rotary(x, position_ids(mask))
-        x = self._blocks(x, cos, sin, 0, causal_mask(mask), caches, adapters=False)
+        x = self._blocks(x, cos, sin, 0, causal_mask(mask), self._new_caches(batch, n, dtype, x.device),
+                         adapters=False)
         return self._norm(x.view(batch, n, -1)[:, -n_resp - 1:-1], self.final_norm).contiguous()
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape
-        total = self.n_prompt + max_new_tokens
-        x = F.embedding(prompt_ids, self.embed)
-        shape = (batch, self.n_kv, total, self.head_dim)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        self._prepare_weights(dtype, x.device)
+        x, dtype = self._embed_and_prepare(prompt_ids)
         self._prepare_adapters(dtype)
-        self.k_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
-        self.v_cache = [x.new_zeros(shape, dtype=dtype) for _ in self.layers]
+        self.caches = self._new_caches(batch, self.n_prompt + max_new_tokens, dtype, x.device)
         keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
         self.step_mask = keys[:, None, None, :]  # (B, 1, 1, P + T), sliced per step
         pos = position_ids(prompt_mask)
