@@ -9,8 +9,8 @@ from ppoforge.lm.models import load_causal_lm
 from ppoforge.lm.policy import build_lora, merged_lora
 
 
-def _trained_lora(tiny_lm_dir):
-    layout = build_lora(load_causal_lm(str(tiny_lm_dir)), 4, 8.0, "all-linear", False)
+def _trained_lora(tiny_lm_dir, **load_kwargs):
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir), **load_kwargs), 4, 8.0, "all-linear", False)
     torch.manual_seed(0)
     with torch.no_grad():  # B starts at 0 (adapter = identity): give it a real delta
         for name, p in layout.named_trainable():
@@ -112,13 +112,7 @@ def test_lean_reference_pass_equals_the_disabled_adapter_forward(tiny_lm_dir, pr
 
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     attn = "sdpa" if precision.endswith("sdpa") else "eager"
-    layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=dtype, attn_implementation=attn), 4, 8.0,
-                        "all-linear", False)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in layout.named_trainable():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    layout = _trained_lora(tiny_lm_dir, dtype=dtype, attn_implementation=attn)
     ids = torch.tensor([[0, 0, 5, 6, 7, 20, 21, 1, 1], [8, 9, 10, 11, 12, 22, 23, 24, 25]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]]).float()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)

@@ -183,8 +183,9 @@ class LoraLayout:
         """The policy (base + adapter) as a decoder. The lean one reads the frozen base's weights,
         prepared once, and applies the adapter unmerged each step, as the trainer's forward does; the
         HF forward runs on merged weights over an fp32 base (exact to fp32 rounding), else unmerged."""
-        if self._lean_decoder() is not None:
-            return contextlib.nullcontext(self._lean)
+        lean = self._lean_decoder()
+        if lean is not None:
+            return contextlib.nullcontext(lean)
         if self.policy_model.get_input_embeddings().weight.dtype == torch.float32:
             return _yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
         return contextlib.nullcontext(HFDecoder(self.policy_model))
