@@ -19,6 +19,7 @@ same prepared weights with the adapters off: the LoRA layout's reference pass.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -140,7 +141,17 @@ def _stack_adapters(adapters: list, out_features: list[int], dtype: torch.dtype)
                             for n, scale in zip(out_features, scales, strict=True)])
 
 
-_ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+@functools.cache
+def onednn_packing() -> bool:
+    """Can this CPU prepack bf16 weights for oneDNN? It needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT,
+    which an AMD EPYC of the Zen 3 generation, for one, lacks; asked once, by trying it on a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 8)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -191,7 +202,7 @@ class LlamaDecoder:
         if self._cast_dtype == dtype:
             return
         cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
-        packing = device.type == "cpu" and dtype == torch.bfloat16 and _ONEDNN_PACKING
+        packing = device.type == "cpu" and dtype == torch.bfloat16 and onednn_packing()
         pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
         for layer in self.layers:
             layer.out_features = {}
