@@ -84,7 +84,9 @@ def make_tiny_tokenizer():
 def _offline_hub(monkeypatch):
     """No test may reach the Hugging Face hub: a hub id fails at once instead of retrying for ~25 s."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # datasets < 2.20 has only the second one
+        if hasattr(datasets.config, name):
+            monkeypatch.setattr(datasets.config, name, True)
 
 
 @pytest.fixture(scope="session")

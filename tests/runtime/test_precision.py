@@ -34,7 +34,7 @@ def test_fp32_has_no_autocast():
 def test_fp16_needs_cuda_and_unknown_names_are_rejected():
     with pytest.raises(UserError, match="fp16 needs a CUDA device"):
         make_precision("fp16", torch.device("cpu"))
-    with pytest.raises(UserError, match="allowed: fp32, bf16, fp16"):
+    with pytest.raises(UserError, match="allowed: auto, fp32, bf16, fp16"):
         make_precision("int8", torch.device("cpu"))
 
 
@@ -67,3 +67,17 @@ def test_weight_cache_casts_once_and_gives_the_same_gradients():
 
     for cached, separate in zip(grads(True), grads(False), strict=True):
         torch.testing.assert_close(cached, separate, rtol=0, atol=0)
+
+
+
+@pytest.mark.parametrize(("flags", "expected"), [("fpu avx2 fma", "fp32"), ("fpu avx512f avx512_bf16", "bf16"),
+                                                 ("fpu amx_tile amx_bf16", "bf16")])
+def test_auto_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch, tmp_path, flags, expected):
+    from ppoforge.runtime import device
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
+    read = device.read_cpuinfo
+    monkeypatch.setattr(device, "read_cpuinfo", lambda path="": read(str(cpuinfo)))
+    assert make_precision("auto", torch.device("cpu")).name == expected
+    assert make_precision("fp32", torch.device("cpu")).name == "fp32"  # an explicit choice stays

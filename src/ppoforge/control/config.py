@@ -38,7 +38,9 @@ class ControlConfig:
     hand_gradients: bool = param(True, "on CPU in fp32, take minibatch gradients from the hand-derived numpy "
                                  "path (control/handgrad.py, ~3x faster, tested equal to autograd); false: autograd")
     device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
-    precision: str = param("fp32", "fp32, bf16 (CPU or CUDA) or fp16 (CUDA)", choices=PRECISION_CHOICES)
+    precision: str = param("fp32", "fp32; bf16 (autocast; CPU or CUDA); fp16 (CUDA, with a GradScaler); auto: bf16 "
+                           "where the device has it natively (GPU >= sm80, CPU with AMX or AVX512-BF16), else fp32",
+                           choices=PRECISION_CHOICES)
     torch_threads: int = param(1, "torch intra-op and numpy BLAS threads (tiny MLPs run fastest on one)", lo=1)
     checkpoint_every: int = param(50, "save a checkpoint every this many updates (and at the end)", lo=1)
     tensorboard: bool = param(True, "also write TensorBoard event files")

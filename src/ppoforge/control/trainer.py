@@ -154,9 +154,9 @@ class ControlTrainer:
                                 cfg.clip_obs, cfg.clip_reward)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, self.policy_rng)
+        hand = cfg.hand_gradients and self.device.type == "cpu" and self.precision.name == "fp32"
         self.handgrad = (HandGradStep(self.agent, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
-                                      cfg.norm_adv)
-                         if cfg.hand_gradients and self.device.type == "cpu" and cfg.precision == "fp32" else None)
+                                      cfg.norm_adv) if hand else None)
         self.update = 0  # completed updates
 
     # ---- checkpoint -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from ppoforge.doctor.report import CheckResult, fail, ok, warn
 from ppoforge.doctor.versions import TORCH_SAFE_LOAD, at_least
+from ppoforge.runtime.device import CPU_BF16_FLAGS, read_cpuinfo
 
 
 @dataclass
@@ -55,7 +56,6 @@ def check_python_torch(f: TorchFacts) -> CheckResult:
 
 
 # ---- CPU ------------------------------------------------------------------------------------------
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @dataclass
@@ -67,22 +67,6 @@ class CpuFacts:
     fp32_gflops: float | None  # measured; None when skipped (--quick)
     bf16_gflops: float | None
     quota: float | None = None  # CPUs allowed by the cgroup (docker run --cpus), None when unlimited
-
-
-def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
-    """(model name, flags) of the first CPU; ('unknown', set()) where there is no /proc/cpuinfo."""
-    model, flags = "", set()
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and not model:
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return model or platform.processor() or "unknown", flags
 
 
 def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
@@ -131,7 +115,7 @@ def gather_cpu(measure: bool) -> CpuFacts:
 
 def check_cpu(f: CpuFacts, precision: str, device: str) -> CheckResult:
     name = "cpu"
-    fast = sorted(set(BF16_FLAGS) & f.flags)
+    fast = sorted(set(CPU_BF16_FLAGS) & f.flags)
     usable = min(f.cores, f.quota) if f.quota else f.cores
     quota = f" (cgroup quota {f.quota:g})" if f.quota else ""
     evidence = (f"{f.model}; {usable:g} usable of {f.online} logical CPUs{quota}; bf16 fast path: "

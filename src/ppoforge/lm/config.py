@@ -76,7 +76,9 @@ class RLHFConfig:
     # ---- run
     total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1)
     seed: int = param(1, "seed for sampling, data order and initialization", lo=0)
-    precision: str = param("fp32", "fp32, bf16 (autocast; CPU or CUDA) or fp16 (CUDA)", choices=PRECISION_CHOICES)
+    precision: str = param("fp32", "fp32; bf16 (autocast; CPU or CUDA); fp16 (CUDA, with a GradScaler); auto: bf16 "
+                           "where the device has it natively (GPU >= sm80, CPU with AMX or AVX512-BF16), else fp32",
+                           choices=PRECISION_CHOICES)
     device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
     torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)", lo=1)
     gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory")

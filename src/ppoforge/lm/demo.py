@@ -16,7 +16,9 @@ from pathlib import Path
 from ppoforge.config import build_config, read_preset
 from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.trainer import train
+from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import read_metrics
+from ppoforge.runtime.precision import resolve_precision
 
 SHOWN = 4  # held-out prompts printed before/after
 
@@ -61,9 +63,11 @@ def summary(run_dir: Path) -> str:
 
 def run_demo(run_dir: Path, overrides: dict) -> None:
     cfg = build_config(RLHFConfig, {**read_preset("demo", "rlhf"), **overrides})
+    device = resolve_device(cfg.device)
     print(f"ppoforge demo: PPO steers {cfg.model} toward positive sentiment (reward: {cfg.reward}), "
           f"{cfg.layout} layout, KL coefficient {cfg.kl_coef}, {cfg.total_updates} updates x "
-          f"{cfg.batch_size} prompts, {cfg.precision} on {cfg.device}. Run dir: {run_dir}", flush=True)
+          f"{cfg.batch_size} prompts, {resolve_precision(cfg.precision, device)} on {device}. Run dir: {run_dir}",
+          flush=True)
     result = train(cfg, run_dir)
     if result.stopped_by:
         print(f"stopped by {result.stopped_by} at update {result.updates}; "

@@ -82,6 +82,7 @@ def build_checkpoint(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _set_special_tokens(tokenizer, gguf)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf.name}: transformers lost the chat template while reading the GGUF")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -99,3 +100,17 @@ def build_checkpoint(gguf: Path, out: Path) -> None:
     model.generation_config = gguf_model.generation_config
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _set_special_tokens(tokenizer, gguf: Path) -> None:
+    """BOS, EOS and UNK as the GGUF's metadata names them. transformers' GGUF reader does not always get
+    them right (4.56 made EOS `<|im_start|>` instead of `<|im_end|>`); the cache must not depend on it."""
+    import gguf as gguf_lib
+
+    fields = gguf_lib.GGUFReader(gguf).fields
+    tokens = fields["tokenizer.ggml.tokens"]
+    for role in ("bos", "eos", "unk"):
+        key = f"tokenizer.ggml.{'unknown' if role == 'unk' else role}_token_id"
+        if key in fields:
+            token_id = int(fields[key].parts[fields[key].data[0]][0])
+            setattr(tokenizer, f"{role}_token", bytes(tokens.parts[tokens.data[token_id]]).decode())

@@ -1,6 +1,9 @@
-"""Device selection: `auto` picks cuda when a GPU is visible, else cpu."""
+"""Device selection (`auto` picks cuda when a GPU is visible, else cpu) and what a device computes natively."""
 
 from __future__ import annotations
+
+import platform
+from pathlib import Path
 
 import torch
 
@@ -29,3 +32,30 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"device: {name!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
     return device
+
+
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 dot products
+
+
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU; flags are empty where there is no /proc/cpuinfo (macOS)."""
+    model, flags = "", set()
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return model or platform.processor() or "unknown", flags
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Does `device` compute bf16 natively? A GPU of compute capability >= 8.0; a CPU with AMX or
+    AVX-512-BF16 (elsewhere oneDNN emulates it, far slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return bool(set(CPU_BF16_FLAGS) & read_cpuinfo()[1])
