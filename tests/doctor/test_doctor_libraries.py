@@ -1,9 +1,16 @@
 """The supported-versions table and the library / torch-wheel checks."""
 
+import sys
 from dataclasses import replace
 
 from ppoforge.doctor.gpu import GpuFacts
-from ppoforge.doctor.libraries import WheelFacts, check_libraries, check_torch_wheel, gather_installed
+from ppoforge.doctor.libraries import (
+    WheelFacts,
+    check_libraries,
+    check_torch_wheel,
+    gather_installed,
+    torch_installs,
+)
 from ppoforge.doctor.versions import SUPPORTED, constraints, in_range, parse_version, spec, torch_index_url
 
 
@@ -79,9 +86,44 @@ def test_cuda_wheel_on_a_cpu_machine_warns():
     assert r.status == "warn" and "whl/cpu" in r.fix
 
 
-def test_two_torch_installs_shadowing_each_other_fail():
+def test_pypi_cuda_wheel_without_a_gpu_warns_with_the_gpus_fix():
+    # PyPI's torch 2.6.0 is the CUDA 12.4 build: __version__ 2.6.0+cu124, pip metadata 2.6.0 (no label)
+    f = replace(WHEEL, version="2.6.0+cu124", dist_version="2.6.0", gpu=replace(CPU_BOX, wheel_cuda="12.4"))
+    r = check_torch_wheel(f)
+    assert r.status == "warn" and "runs on the CPU" in r.evidence and "--gpus all" in r.fix
+
+
+def test_local_labels_are_not_a_version_mismatch():
+    for version, dist in (("2.13.0+cpu", "2.13.0"), ("2.6.0+cu124", "2.6.0"), ("2.5.1+rocm6.2", "2.5.1")):
+        assert "shadow" not in check_torch_wheel(replace(WHEEL, version=version, dist_version=dist)).evidence
+
+
+def test_metadata_of_another_torch_fails():
     r = check_torch_wheel(replace(WHEEL, dist_version="2.7.1"))
-    assert r.status == "fail" and "two torch installs" in r.evidence and "pip uninstall" in r.fix
+    assert r.status == "fail" and "belongs to another install" in r.evidence and "pip uninstall" in r.fix
+
+
+def _fake_torch(root, version):
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (root / f"torch-{version}.dist-info").mkdir()
+    (root / f"torch-{version}.dist-info" / "METADATA").write_text(f"Name: torch\nVersion: {version}\n")
+    return root
+
+
+def test_a_real_double_install_is_found_by_paths(tmp_path):
+    user, system = _fake_torch(tmp_path / "user-site", "2.7.1"), _fake_torch(tmp_path / "site-packages", "2.6.0")
+    packages, infos = torch_installs([str(user), str(tmp_path / "missing"), str(system), str(user)])
+    assert packages == (str(user / "torch"), str(system / "torch")) and len(infos) == 2
+    r = check_torch_wheel(replace(WHEEL, packages=packages, dist_infos=infos))
+    assert r.status == "fail" and "2 torch packages on sys.path" in r.evidence and "first one shadows" in r.evidence
+    single = torch_installs([str(system)])
+    assert check_torch_wheel(replace(WHEEL, packages=single[0], dist_infos=single[1])).status == "ok"
+
+
+def test_this_interpreter_has_one_torch():
+    packages, infos = torch_installs(sys.path)
+    assert len(packages) == 1 and len(infos) == 1, (packages, infos)
 
 
 def test_torch_replaced_by_a_dependency_resolution():

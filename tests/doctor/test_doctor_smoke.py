@@ -18,9 +18,16 @@ from ppoforge.runtime.precision import Precision
 GOOD = StepOutcome(loss=0.5, changed=True, compute_dtype="bfloat16", steps=1)
 
 
-def test_bf16_step_on_cpu_really_runs():
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_step_on_cpu_really_runs(monkeypatch, native):
+    from ppoforge.doctor import smoke
+
+    monkeypatch.setattr(smoke, "native_bf16", lambda device: native)
     r = check_precision_step("bf16", "cpu")
-    assert r.status == "ok" and "compute dtype bfloat16" in r.evidence and "params changed" in r.evidence
+    assert "compute dtype bfloat16" in r.evidence and "params changed" in r.evidence
+    assert r.status == ("ok" if native else "warn")
+    if not native:  # it works, but emulated: say so, and what to use instead
+        assert "emulated" in r.evidence and "--precision fp32" in r.fix
 
 
 def test_fp16_on_cpu_is_a_skip():
@@ -45,7 +52,10 @@ def test_a_precision_step_that_raises():
     assert r.status == "fail" and "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" in r.evidence
 
 
-def test_bf16_step_on_a_pre_ampere_gpu_warns():
+def test_bf16_step_on_a_pre_ampere_gpu_warns(monkeypatch):
+    from ppoforge.doctor import smoke
+
+    monkeypatch.setattr(smoke, "native_bf16", lambda device: True)  # the CPU part is not what this tests
     r = check_precision_step("bf16", "cpu", capability=(7, 5), step=lambda name, device: GOOD)
     assert r.status == "warn" and "emulated" in r.evidence and "fp16" in r.fix
 

@@ -7,7 +7,8 @@ from ppoforge.cli import main
 from ppoforge.lm.models import load_causal_lm, load_tokenizer
 
 SMALL = ["--total-updates", "2", "--batch-size", "4", "--mini-batch-size", "4", "--micro-batch-size", "4",
-         "--max-new-tokens", "8", "--ppo-epochs", "1", "--heldout-samples", "1", "--progress", "false", "--tensorboard", "false"]
+         "--max-new-tokens", "8", "--ppo-epochs", "1", "--heldout-samples", "1", "--progress", "false",
+         "--tensorboard", "false"]
 
 
 @pytest.mark.slow

@@ -57,17 +57,50 @@ def check_libraries(group: str, installed: dict[str, str | None]) -> CheckResult
 
 @dataclass
 class WheelFacts:
-    version: str              # torch.__version__ (what was imported)
-    dist_version: str | None  # pip's metadata for the torch distribution
+    version: str              # torch.__version__ (what was imported), e.g. 2.6.0+cu124
+    dist_version: str | None  # pip's metadata for the torch distribution, e.g. 2.6.0 (PyPI drops the label)
     location: str             # where the imported torch lives
     prefix: str               # sys.prefix of this interpreter
     expected: str | None      # PPOFORGE_EXPECT_TORCH
     gpu: GpuFacts
+    packages: tuple[str, ...] = ()    # every `torch/` package dir on sys.path, in import order
+    dist_infos: tuple[str, ...] = ()  # every torch-*.dist-info / .egg-info on sys.path
+
+
+def torch_installs(paths: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(torch package dirs, torch dist-info dirs) found on the import path `paths`, deduplicated.
+
+    Two of either is a real double install: the first package shadows the other, and pip's metadata
+    may describe the one that is not imported."""
+    packages, infos = [], []
+    for entry in dict.fromkeys(str(Path(p).resolve()) for p in paths if p and Path(p).is_dir()):
+        if (Path(entry) / "torch" / "__init__.py").is_file():
+            packages.append(str(Path(entry) / "torch"))
+        infos += sorted(str(d) for d in Path(entry).glob("torch-*.*-info") if d.is_dir())
+    return tuple(packages), tuple(infos)
 
 
 def gather_wheel(gpu: GpuFacts) -> WheelFacts:
+    packages, infos = torch_installs(sys.path)
     return WheelFacts(torch.__version__, installed_version("torch"), str(Path(torch.__file__).parent),
-                      sys.prefix, os.environ.get("PPOFORGE_EXPECT_TORCH"), gpu)
+                      sys.prefix, os.environ.get("PPOFORGE_EXPECT_TORCH"), gpu, packages, infos)
+
+
+def public_version(version: str) -> str:
+    """The version without its local label: '2.6.0+cu124' -> '2.6.0' (PyPI's metadata has none)."""
+    return version.split("+", 1)[0]
+
+
+def _shadowing(f: WheelFacts) -> str | None:
+    """Why two torch installs shadow each other, or None: judged by paths, and by the public versions."""
+    if len(f.packages) > 1:
+        return f"{len(f.packages)} torch packages on sys.path ({', '.join(f.packages)}): the first one shadows the rest"
+    if len(f.dist_infos) > 1:
+        return f"{len(f.dist_infos)} torch installs' metadata on sys.path ({', '.join(f.dist_infos)})"
+    if f.dist_version and public_version(f.dist_version) != public_version(f.version):
+        return (f"pip metadata says torch {f.dist_version} but torch {f.version} is imported: the metadata "
+                "belongs to another install")
+    return None
 
 
 def _local_tag(f: WheelFacts) -> str:
@@ -82,7 +115,7 @@ def _expected_mismatch(f: WheelFacts) -> str | None:
     tag = _local_tag(f)
     if "." in want.split("+")[0] or want[:1].isdigit():  # a version, maybe with +tag
         base, _, want_tag = want.partition("+")
-        if f.version.split("+")[0] != base or (want_tag and want_tag != tag):
+        if public_version(f.version) != base or (want_tag and want_tag != tag):
             return f"PPOFORGE_EXPECT_TORCH={want} but torch {f.version} ({tag}) is installed"
     elif want != tag:
         return f"PPOFORGE_EXPECT_TORCH={want} but the installed torch {f.version} is a {tag} wheel"
@@ -94,9 +127,10 @@ def check_torch_wheel(f: WheelFacts) -> CheckResult:
     tag = _local_tag(f)
     index = torch_index_url(f.gpu.driver_cuda)
     evidence = f"torch {f.version} ({tag}) from {f.location}"
-    if f.dist_version and f.dist_version != f.version:
-        return fail(name, evidence + f"; pip metadata says torch {f.dist_version}: two torch installs shadow "
-                    "each other", "pip uninstall -y torch (repeat until none is left), then reinstall it")
+    shadowing = _shadowing(f)
+    if shadowing:
+        return fail(name, f"{evidence}; {shadowing}",
+                    "pip uninstall -y torch (repeat until none is left), then reinstall it")
     if f.expected and _expected_mismatch(f):
         return fail(name, f"{evidence}; {_expected_mismatch(f)}: a dependency resolution replaced torch",
                     f"pip install --force-reinstall 'torch=={f.expected.split('+')[0]}' --index-url "
@@ -106,8 +140,9 @@ def check_torch_wheel(f: WheelFacts) -> CheckResult:
         return fail(name, evidence + "; this machine has an NVIDIA GPU but torch is a CPU-only wheel",
                     f"pip install --force-reinstall torch --index-url {index}")
     if tag != "cpu" and not f.gpu.hardware and not f.gpu.torch_count:
-        return warn(name, evidence + "; a GPU wheel on a machine without a visible GPU (gigabytes of unused "
-                    "CUDA libraries; often pulled in by a dependency's resolution)",
-                    "pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cpu "
-                    "(or start the container with --gpus all)")
+        return warn(name, evidence + "; a GPU wheel on a machine without a visible GPU: it runs on the CPU "
+                    "(a PyTorch-CUDA image started without GPUs, or gigabytes of unused CUDA libraries pulled "
+                    "in by a dependency's resolution)",
+                    "in a container: docker run --gpus all ...; on a CPU-only machine: pip install "
+                    "--force-reinstall torch --index-url https://download.pytorch.org/whl/cpu")
     return ok(name, evidence + ("; matches PPOFORGE_EXPECT_TORCH" if f.expected else ""))

@@ -54,7 +54,7 @@ class Capability:
 CAPABILITIES = (
     Capability("control", "control PPO",
                ("python_torch", "libraries_core", "checkpoint_roundtrip", "control_smoke")),
-    Capability("rlhf", "LM RLHF on this device",
+    Capability("rlhf", "LM RLHF on this device ({device})",
                ("python_torch", "torch_wheel", "gpu_visibility", "libraries_lm", "lm_smoke")),
     Capability("precision", "mixed precision (bf16 / fp16)", (), any_of=("bf16_step", "fp16_step")),
     Capability("multigpu", "multi-GPU (DDP over NCCL)", ("dist_backends", "allreduce"), min_gpus=2),
@@ -107,11 +107,13 @@ def verdict(cap: Capability, by_name: dict[str, CheckResult], gpus: int, quick_s
 
 
 def verdicts(results: list[CheckResult], gpus: int, quick_skipped: set[str],
-             required: tuple[str, ...]) -> list[Verdict]:
+             required: tuple[str, ...], device: str = "cpu") -> list[Verdict]:
+    """One verdict per capability; `device` is the device type the runs use (it names the RLHF one)."""
     by_name = {r.name: r for r in results}
     out = [verdict(cap, by_name, gpus, quick_skipped) for cap in CAPABILITIES]
     for v in out:
         v.required = v.key in required
+        v.label = v.label.format(device=device)
     return out
 
 

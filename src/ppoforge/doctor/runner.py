@@ -138,7 +138,7 @@ def run_doctor(opts: Options) -> Report:
                 quick_skipped.add(name)
             else:
                 results.append(timed(name, check))
-    vs = verdicts(results, facts.torch_count, quick_skipped, opts.require)
+    vs = verdicts(results, facts.torch_count, quick_skipped, opts.require, _selected(opts, facts)[0])
     seconds = time.perf_counter() - start
     return Report(opts.device, opts.precision, opts.quick, results, vs, seconds, opts.require)
 

@@ -18,7 +18,7 @@ import torch
 
 from ppoforge.doctor.report import CheckResult, fail, ok, skip, warn
 from ppoforge.errors import UserError
-from ppoforge.runtime.device import resolve_device
+from ppoforge.runtime.device import native_bf16, resolve_device
 from ppoforge.runtime.precision import Precision, make_precision
 
 
@@ -119,6 +119,9 @@ def check_precision_step(name: str, device_name: str, capability: tuple[int, int
     if not math.isfinite(out.loss) or not out.changed or out.compute_dtype != expected:
         return fail(check, evidence + (f" (expected {expected})" if out.compute_dtype != expected else ""),
                     fallback)
+    if name == "bf16" and device.type == "cpu" and not native_bf16(device):
+        return warn(check, evidence + "; this CPU has no amx_bf16 / avx512_bf16: bf16 works but is emulated, "
+                    "far slower than fp32", "--precision fp32 (or auto) on this CPU")
     if name == "bf16" and capability is not None and capability < (8, 0):
         return warn(check, evidence + f"; compute capability {capability[0]}.{capability[1]} < 8.0: bf16 is "
                     "emulated here (is_bf16_supported() says yes anyway)", "--precision fp16 on this GPU")
