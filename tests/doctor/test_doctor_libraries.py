@@ -24,8 +24,24 @@ def test_parse_version():
 def test_in_range_and_spec():
     assert in_range("4.46.0", "4.46", "6") and in_range("5.24.0", "4.46", "6")
     assert not in_range("4.45.2", "4.46", "6") and not in_range("6.0.0", "4.46", "6")
-    assert spec("transformers") == "transformers>=4.46,<6"
+    assert spec("transformers") == "transformers>=4.56,<6"
     assert constraints().splitlines() == [spec(n) for n in SUPPORTED]
+
+
+def test_supported_floors_are_pyprojects():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for req in project["dependencies"] + [r for reqs in project["optional-dependencies"].values() for r in reqs]:
+        match = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([^,;\s]+)", req)
+        if match:
+            declared[match.group(1).lower()] = match.group(2)
+    for name, (group, low, _) in SUPPORTED.items():
+        if group != "optional":
+            assert declared[name] == low, name
 
 
 def test_torch_index_url_picks_the_newest_cuda_the_driver_runs():
@@ -49,8 +65,8 @@ def test_supported_libraries_are_ok():
 
 def test_incompatible_library_version_fails_with_the_pin():
     r = check_libraries("lm", {**GOOD, "transformers": "4.30.2"})
-    assert r.status == "fail" and "transformers 4.30.2 (supported >=4.46,<6)" in r.evidence
-    assert "pip install 'transformers>=4.46,<6'" in r.fix and "ppoforge[lm]" in r.fix
+    assert r.status == "fail" and "transformers 4.30.2 (supported >=4.56,<6)" in r.evidence
+    assert "pip install 'transformers>=4.56,<6'" in r.fix and "ppoforge[lm]" in r.fix
 
 
 def test_missing_library_fails_and_optional_out_of_range_warns():

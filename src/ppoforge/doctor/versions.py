@@ -1,8 +1,8 @@
 """The library versions ppoforge supports: one table, read by `ppoforge doctor` and the container build.
 
 `SUPPORTED` maps a distribution name to (group, lowest supported, first unsupported). Groups: `core`
-(control PPO needs it), `lm` (LM RLHF needs it), `optional` (used when present). Lower bounds match
-pyproject.toml; upper bounds are the next major version nobody has tested yet. No torch import here, so
+(control PPO needs it), `lm` (LM RLHF needs it), `optional` (used when present). Lower bounds are
+pyproject.toml's (a test holds them equal), and `make test-floor` runs the suite on exactly them; upper bounds are the next major version nobody has tested yet. No torch import here, so
 a Dockerfile step can use it (`python -m ppoforge.doctor.versions > constraints.txt`) in a bare env.
 """
 
@@ -14,15 +14,15 @@ from importlib import metadata
 # name: (group, min inclusive, max exclusive or None)
 SUPPORTED: dict[str, tuple[str, str, str | None]] = {
     "torch": ("core", "2.6", "3"),
-    "numpy": ("core", "1.24", "3"),
+    "numpy": ("core", "2.0", "3"),
     "gymnasium": ("core", "1.0", "2"),
     "pyyaml": ("core", "6.0", "7"),
     "tensorboard": ("core", "2.14", "3"),
-    "matplotlib": ("core", "3.7", "4"),
-    "transformers": ("lm", "4.46", "6"),
+    "matplotlib": ("core", "3.9", "4"),
+    "transformers": ("lm", "4.56", "6"),
     "peft": ("lm", "0.13", "1"),
     "datasets": ("lm", "2.19", "6"),
-    "safetensors": ("lm", "0.4", "1"),
+    "safetensors": ("lm", "0.4.3", "1"),
     "accelerate": ("optional", "0.34", "2"),
 }
 
