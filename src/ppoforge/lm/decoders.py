@@ -252,9 +252,12 @@ class LlamaDecoder:
         head's query heads into the query-length dim.
         """
         batch, n = q.shape[0], q.shape[2]
-        if n > 1 and not self.eager:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         group = self.n_heads // self.n_kv
+        if n > 1 and not self.eager:
+            # kv heads repeated, as Hugging Face does whenever a mask is given: SDPA's enable_gqa path is
+            # another kernel, which rounds differently on torch 2.6
+            k, v = (t[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         q = q.reshape(batch, self.n_kv, group * n, self.head_dim)
         scores = (torch.matmul(q, k.transpose(-1, -2)) * self.head_dim ** -0.5).view(batch, self.n_kv, group, n, -1)
         probs = torch.softmax(torch.where(mask[:, :, None], scores, float("-inf")), dim=-1, dtype=torch.float32)
