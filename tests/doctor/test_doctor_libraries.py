@@ -30,8 +30,9 @@ def test_in_range_and_spec():
 
 def test_supported_floors_are_pyprojects():
     import re
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     declared = {}

@@ -72,9 +72,16 @@ def test_non_string_or_empty_prompt(tmp_path, bad):
 def test_unreadable_file(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "ok"}\n{not json\n')
-    with pytest.raises(UserError, match=r"^prompts: cannot load file .*broken\.jsonl \(.*\); allowed: ") as e:
+    with pytest.raises(UserError, match=r"^prompts: file .*broken\.jsonl line 2 is not valid JSON \(.*\); "
+                                        r"allowed: one JSON object per line") as e:
         load_prompts(str(path))
     assert "\n" not in str(e.value)
+    path.write_text('{"prompt": "ok"}\n["a", "list"]\n')
+    with pytest.raises(UserError, match=r"broken\.jsonl line 2 is a JSON list, not an object"):
+        load_prompts(str(path))
+    path.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"broken\.jsonl is not UTF-8 text \(byte 15\)"):
+        load_prompts(str(path))
 
 
 def test_missing_file_and_unsupported_format(tmp_path):

@@ -2,8 +2,9 @@
 
 `SUPPORTED` maps a distribution name to (group, lowest supported, first unsupported). Groups: `core`
 (control PPO needs it), `lm` (LM RLHF needs it), `optional` (used when present). Lower bounds are
-pyproject.toml's (a test holds them equal), and `make test-floor` runs the suite on exactly them; upper bounds are the next major version nobody has tested yet. No torch import here, so
-a Dockerfile step can use it (`python -m ppoforge.doctor.versions > constraints.txt`) in a bare env.
+pyproject.toml's (a test holds them equal) and `make test-floor` runs the suite on exactly them; upper
+bounds are the next major version nobody has tested yet. No torch import here, so a Dockerfile step
+can use it (`python -m ppoforge.doctor.versions > constraints.txt`) in a bare env.
 """
 
 from __future__ import annotations
