@@ -70,7 +70,9 @@ def main() -> None:
 
     import ppoforge
     from ppoforge.lm.trainer import RLHFTrainer
+    from ppoforge.runtime.allocator import keep_freed_memory
 
+    keep_freed_memory()  # as the `ppoforge` command does at its entry
     torch.set_num_threads(args.threads)
     wdir = Path(args.workload_dir).resolve()
     w = rlhf_workloads.load_workload(wdir)
@@ -79,7 +81,7 @@ def main() -> None:
     trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(run_dir.name))
     setup_s = time.perf_counter() - t_setup
     # Both frameworks must see the same prompt token ids (this also proves the right tokenizer loaded).
-    same = sorted(map(list, trainer.c.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
+    same = sorted(map(list, trainer.parts.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
     assert same, "ppoforge tokenized the workload prompts differently from the TRL side"
 
     gaps, cpu = [], []  # wall and process-CPU seconds per update

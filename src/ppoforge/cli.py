@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command in ("train", "demo"):
+            from ppoforge.runtime.allocator import keep_freed_memory
+
+            keep_freed_memory()  # process-wide, so here and not in a trainer (see runtime/allocator.py)
         return args.func(args)
     except UserError as e:
         print(f"ppoforge: error: {e}", file=sys.stderr)

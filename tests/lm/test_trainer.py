@@ -2,6 +2,7 @@
 frozen weights, eval mode, exact resume after SIGTERM, and the `train rlhf` CLI."""
 
 import json
+import math
 import os
 import signal
 
@@ -54,7 +55,7 @@ def _snapshot(named):
 def _frozen(trainer):
     """(name, tensor) of weights that must never change: LoRA base weights, or the full reference."""
     layout = trainer.layout
-    if trainer.cfg.layout == "lora":
+    if trainer.cfg.layout != "full":
         return [(n, p) for n, p in layout.peft.named_parameters() if "lora_" not in n]
     return list(layout.reference.named_parameters())
 
@@ -62,9 +63,9 @@ def _frozen(trainer):
 @pytest.mark.parametrize("overrides", [
     dict(layout="lora"),
     # zero value head -> critic LoRA B -> critic LoRA A: gradients reach A from the third step on
-    dict(layout="lora", value_adapter=True, kl_estimator="k3", kl_target=0.01, kl_horizon=10, mini_batch_size=2),
+    dict(layout="lora-critic", kl_estimator="k3", kl_target=0.01, kl_horizon=10, mini_batch_size=2),
     dict(layout="full", learning_rate=1e-3),
-], ids=["lora", "lora-value-adapter-adaptive-k3", "full"])
+], ids=["lora", "lora-critic-adaptive-k3", "full"])
 def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, overrides):
     cfg = cfg_for(heldout_prompts=None, tensorboard=True, **overrides)
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
@@ -79,7 +80,7 @@ def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, over
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for key in TRL_METRICS:
-        assert all(isinstance(r[key], float | int) for r in rows), key
+        assert all(isinstance(r[key], float | int) and math.isfinite(r[key]) for r in rows), key
     if cfg.kl_target:
         assert rows[1]["objective/kl_coef"] != rows[0]["objective/kl_coef"]
     table = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
@@ -108,52 +109,74 @@ def test_modules_stay_in_eval_mode_with_dropout_off(cfg_for, tmp_path, layout):
         assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(attn_implementation="auto"), dict(attn_implementation="sdpa"),
-    dict(value_adapter=True), dict(layout="full", learning_rate=1e-3),
-], ids=["lora-eager", "lora-sdpa", "lora-value-adapter", "full"])
-def test_first_minibatch_ratio_is_one_and_sampler_matches_recomputation(cfg_for, tmp_path, overrides):
-    trainer = RLHFTrainer(cfg_for(**overrides), tmp_path, reward_fn=word_reward)
-    attn = overrides.get("attn_implementation", "auto")
-    assert trainer.layout.policy_model.config._attn_implementation == ("eager" if attn == "auto" else attn)
-    # 1 epoch, 1 mini-batch: the update's first forward sees the sampler's policy, and the old
-    # log-probs are the sampler's own (KV-cached decode), so this compares the two computations
-    metrics, _ = trainer.train_one_update()
-    assert abs(metrics["val/ratio"] - 1) < 1e-6
-    assert abs(metrics["policy/approxkl_avg"]) < 1e-6 and metrics["policy/clipfrac_avg"] == 0
-    # after an update (LoRA B != 0, value head != 0), the decode loop (merged weights, KV cache) still
-    # agrees with the trainer's full forward through the adapters: log-probs and values
-    ids, prompt_mask, samples = trainer.generate(trainer.c.prompt_ids[:4], torch.Generator().manual_seed(0))
+def _fast_and_plain(trainer):
+    """A fresh rollout's (old logp, values, ref logp) from the sampler's path and from full forwards."""
+    ids, prompt_mask, samples = trainer.generate(trainer.parts.prompt_ids[:4], torch.Generator().manual_seed(0))
     mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
-    sampled = trainer.evaluate(ids, mask, samples, torch.zeros(4))
-    trainer.cfg.recompute_logprobs = True
-    recomputed = trainer.evaluate(ids, mask, samples, torch.zeros(4))
-    assert sampled.logp is not recomputed.logp and recomputed.values.abs().max() > 0
-    torch.testing.assert_close(sampled.logp, recomputed.logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(sampled.values, recomputed.values, atol=1e-5, rtol=0)
-    torch.testing.assert_close(sampled.ref_logp, recomputed.ref_logp, atol=0, rtol=0)
+    with torch.inference_mode(), trainer.precision.autocast():
+        return trainer._fast_scoring(ids, mask, samples), trainer._plain_scoring(ids, mask, samples), samples
 
 
-@pytest.mark.parametrize("overrides", [dict(layout="lora"), dict(layout="full", learning_rate=1e-3),
-                                       dict(layout="lora", recompute_logprobs=True)],
-                         ids=["lora", "full", "lora-recompute"])
-def test_bf16_sampler_equals_the_trainers_forward_bit_for_bit(cfg_for, tmp_path, overrides):
-    """On CPU with eager attention the decode loop rounds exactly as the training forward does: the
-    first ratio is exactly 1, and after an update (LoRA B != 0: applied unmerged, as peft does; a bf16
-    merge would round most of the delta away) sampled log-probs and values still equal a full pass."""
-    trainer = RLHFTrainer(cfg_for(precision="bf16", **overrides), tmp_path, reward_fn=word_reward)
-    metrics, _ = trainer.train_one_update()
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["lora", "lora-critic", "full"])
+def test_update_one_is_exactly_on_policy_and_at_the_reference(cfg_for, tmp_path, layout, precision, attn):
+    """Before any update the policy is the sampler's and the reference: the first mini-batch's ratio is
+    exactly 1 and the KL exactly 0, on every layout, precision and attention. `old_logprobs: auto` uses
+    the sampler's numbers only where a check found them bit-identical to the forward (else it recomputes
+    them), and after an update (LoRA B != 0, value head != 0) that finding still holds."""
+    cfg = cfg_for(layout=layout, precision=precision, attn_implementation=attn,
+                  learning_rate=1e-3 if layout == "full" else 1e-2)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
+    assert trainer.policy_attention() == attn and trainer.fast_scoring is None
+    metrics, _ = trainer.train_one_update()  # 1 epoch, 1 mini-batch: the first forward sees the old policy
     assert metrics["val/ratio"] == 1 and metrics["policy/approxkl_avg"] == 0
-    assert metrics["policy/clipfrac_avg"] == 0
-    ids, prompt_mask, samples = trainer.generate(trainer.c.prompt_ids[:4], torch.Generator().manual_seed(0))
-    mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
-    trainer.cfg.recompute_logprobs = False
-    sampled = trainer.evaluate(ids, mask, samples, torch.zeros(4))
-    trainer.cfg.recompute_logprobs = True
-    recomputed = trainer.evaluate(ids, mask, samples, torch.zeros(4))
-    assert sampled.logp is not recomputed.logp and torch.equal(sampled.logp, recomputed.logp)
-    # lora: values from the sampler's hidden states; full: both from the critic's pass
-    assert recomputed.values.abs().max() > 0 and torch.equal(sampled.values, recomputed.values)
+    assert metrics["policy/clipfrac_avg"] == 0 and metrics["objective/kl"] == 0
+    assert trainer.fast_scoring in (True, False)  # decided on the first rollout
+    fast, plain, samples = _fast_and_plain(trainer)
+    assert plain[1].abs().max() > 0  # the value head trained: values are not trivially equal
+    m = samples.response_mask
+    same = all(torch.equal(f * m, p * m) for f, p in zip(fast, plain, strict=True))
+    if trainer.fast_scoring:
+        assert same, "the check trusted the sampler, which no longer matches the forward after an update"
+    for f, p in zip(fast, plain, strict=True):  # either way the fast path is close: it is the same policy
+        torch.testing.assert_close(f * m, p * m, atol=1e-2 if precision == "bf16" else 1e-5, rtol=0)
+
+
+def test_auto_falls_back_to_recomputing_when_the_sampler_is_off(cfg_for, tmp_path, capsys):
+    trainer = RLHFTrainer(cfg_for(), tmp_path, reward_fn=word_reward)
+    fast = trainer._fast_scoring
+    trainer._fast_scoring = lambda *a: (lambda logp, v, ref: (logp + 1e-4, v, ref))(*fast(*a))
+    metrics, _ = trainer.train_one_update()
+    assert trainer.fast_scoring is False and metrics["val/ratio"] == 1 and metrics["objective/kl"] == 0
+    err = capsys.readouterr().err
+    assert err.count("differ from the training forward (log-probs by up to 0.0001)") == 1, err
+    trainer.train_one_update()
+    assert "differ" not in capsys.readouterr().err  # said once
+
+
+@pytest.mark.parametrize("mode", ["sampler", "recompute"])
+def test_old_logprobs_sampler_and_recompute_are_taken_as_asked(cfg_for, tmp_path, mode):
+    trainer = RLHFTrainer(cfg_for(old_logprobs=mode), tmp_path, reward_fn=word_reward)
+    calls = {"fast": 0, "plain": 0}
+    for name in calls:
+        method = getattr(trainer, f"_{name}_scoring")
+        setattr(trainer, f"_{name}_scoring", lambda *a, name=name, method=method: calls.__setitem__(
+            name, calls[name] + 1) or method(*a))
+    trainer.train_one_update()
+    assert calls == ({"fast": 1, "plain": 0} if mode == "sampler" else {"fast": 0, "plain": 1})
+
+
+@pytest.mark.parametrize("decoder", ["lean", "hf"])
+def test_decoder_choice(cfg_for, tmp_path, decoder):
+    from ppoforge.lm.decoders import HFDecoder, LlamaDecoder
+
+    trainer = RLHFTrainer(cfg_for(decoder=decoder), tmp_path, reward_fn=word_reward)
+    with trainer.layout.decoder() as d:
+        assert isinstance(d, LlamaDecoder if decoder == "lean" else HFDecoder)
+    assert (trainer.layout.fast_ref_forward is None) == (decoder == "hf")
+    metrics, _ = trainer.train_one_update()
+    assert metrics["val/ratio"] == 1 and metrics["objective/kl"] == 0
 
 
 def test_tokenizer_field_with_bare_model_and_reward_checkpoints(cfg_for, tmp_path, tiny_lm_dir,
@@ -164,7 +187,7 @@ def test_tokenizer_field_with_bare_model_and_reward_checkpoints(cfg_for, tmp_pat
     trainer = RLHFTrainer(cfg, tmp_path / "run")
     assert trainer.tokenizer.chat_template  # the tokenizer folder's, with its chat template
     metrics, table = trainer.train_one_update()
-    assert len(table) == 4 and all(isinstance(r["score"], float) for r in table)
+    assert len(table) == 4 and all(isinstance(r["score"], float) and math.isfinite(r["score"]) for r in table)
 
 
 def _grads_and_params_after_one_update(cfg, run_dir):
@@ -183,7 +206,7 @@ def _grads_and_params_after_one_update(cfg, run_dir):
     return captured, _snapshot(trainer.layout.named_trainable())
 
 
-@pytest.mark.parametrize("layout", ["lora", "full"])
+@pytest.mark.parametrize("layout", ["lora", "lora-critic", "full"])
 def test_accumulation_invariance_and_gradient_checkpointing(cfg_for, tmp_path, layout):
     # micro-batch 8 x accumulation 1 == micro-batch 1 x accumulation 8 (== with activation recomputation)
     base = dict(layout=layout, batch_size=8, mini_batch_size=8, max_grad_norm=1e6)
@@ -260,7 +283,8 @@ def test_cli_trains_and_resumes(tiny_lm_dir, prompts_file, tmp_path, capsys):
     (["--layout", "both"], "layout: 'both' is not allowed"),
     (["--temperature", "0"], "temperature: 0.0 is out of range"),
     (["--model", "/no/such/model"], "model: no model at /no/such/model"),
-    (["--value-adapter", "true", "--layout", "full"], "value_adapter: only the lora layout"),
+    (["--critic-model", "/x", "--layout", "lora-critic"], "critic_model: only the full layout"),
+    (["--decoder", "fast"], "decoder: 'fast' is not allowed; allowed: auto, lean, hf"),
     (["--resume", "/no/such/run"], "no config.yaml in run dir"),
 ])
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path, args, message):
@@ -284,8 +308,7 @@ def test_gradient_checkpointing_recomputes_layers_in_backward(tiny_lm_dir, enabl
                if m is not layout.policy_model.base_model.layers[0])  # only the layer's own flag is set
 
 
-def test_missing_eos_penalty_lowers_unfinished_scores(cfg_for, tmp_path):
-    trainer = RLHFTrainer(cfg_for(missing_eos_penalty=2.5, max_new_tokens=2), tmp_path,
-                          reward_fn=lambda p, c, **k: [1.0] * len(c))
+def test_eos_penalty_reward_sees_which_completions_ran_out(cfg_for, tmp_path):
+    trainer = RLHFTrainer(cfg_for(reward="eos_penalty:2.5", max_new_tokens=2), tmp_path)
     _, table = trainer.train_one_update()  # 2 new tokens: almost every completion runs out
-    assert {round(r["score"], 6) for r in table} <= {1.0, -1.5} and any(r["score"] == -1.5 for r in table)
+    assert {r["score"] for r in table} <= {0.0, -2.5} and any(r["score"] == -2.5 for r in table)

@@ -1,8 +1,8 @@
 """PPO's clipped objectives (Schulman et al. 2017) and their diagnostics.
 
 Every function takes an optional 0/1 `mask` so the same code serves control (no mask) and LM tokens
-(response mask). Reductions are masked means over real tokens of the minibatch; gradient-accumulation
-scaling is the trainer's business (it divides by the number of micro-batches), not the loss's.
+(response mask). Reductions are masked means over the real tokens of what they are given; how those
+means combine across gradient-accumulation micro-batches is `core/accumulation.py`'s contract.
 """
 
 from __future__ import annotations

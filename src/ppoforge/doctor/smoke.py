@@ -213,8 +213,7 @@ def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
     from ppoforge.config import build_config
     from ppoforge.lm.config import RLHFConfig
     from ppoforge.lm.tiny import save_tiny_lm
-    from ppoforge.lm.trainer import CHECKPOINT, RLHFTrainer
-    from ppoforge.runtime.checkpoint import load_checkpoint
+    from ppoforge.lm.trainer import CHECKPOINT, RLHFTrainer, train
 
     hf_logging.disable_progress_bar()  # the doctor's table, not transformers' load/save bars
     threads = torch.get_num_threads()
@@ -235,13 +234,12 @@ def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
         _expect(all(torch.equal(a, p) for a, p in zip(frozen_before, frozen, strict=True)),
                 "frozen (reference/base) parameters changed")
         _expect(ckpt.is_file(), "no checkpoint written")
-        resumed = RLHFTrainer(build_config(RLHFConfig, {**values, "total_updates": 3}), run_dir)
-        resumed.load(load_checkpoint(ckpt, map_location=resumed.c.device))
-        second = resumed.run()
+        # the trainer's own resume (`ppoforge train rlhf --resume`), on the same device
+        second = train(build_config(RLHFConfig, {**values, "total_updates": 3}), run_dir, resume=True)
         _expect(second.updates == first.updates + 1, f"resume ran to update {second.updates}")
     finally:
         torch.set_num_threads(threads)
-    return (f"tiny Qwen2 (hidden 32, 2 layers) PPO on {trainer.c.device} / {precision}, LoRA layout: "
+    return (f"tiny Qwen2 (hidden 32, 2 layers) PPO on {trainer.parts.device} / {precision}, LoRA layout: "
             f"{first.updates} updates, {rows} metric rows with finite losses, LoRA + value head changed, "
             f"base/reference unchanged, checkpoint {ckpt.stat().st_size // 1024} KiB; resumed at update "
             f"{first.updates} and ran to update {second.updates}")

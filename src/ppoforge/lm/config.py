@@ -1,8 +1,4 @@
-"""RLHFConfig: every knob of PPO for causal LMs, flat, with TRL's PPOConfig defaults where they exist.
-
-Derived values (`num_mini_batches`, `grad_accum`) are properties, never fields, so they cannot
-disagree with the sizes they come from.
-"""
+"""RLHFConfig: every knob of PPO for causal LMs, flat, with TRL's PPOConfig defaults where they exist."""
 
 from __future__ import annotations
 
@@ -14,23 +10,22 @@ from ppoforge.errors import UserError
 from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
 
+LAYOUTS = ("lora", "lora-critic", "full")  # see lm/policy.py
+
 
 @dataclass
 class RLHFConfig:
     # ---- models
     model: str = param("smollm2-135m-instruct", "policy model: a checkpoint dir, a hub id or a built-in name")
     tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")
-    layout: str = param("lora", "lora: frozen base + adapters, reference = adapters off; full: TRL's 4 models",
-                        choices=("lora", "full"))
+    layout: str = param("lora", "lora: frozen base + adapters, reference = adapters off, value head on the "
+                        "policy's trunk; lora-critic: the critic is a second adapter; full: TRL's 4 models",
+                        choices=LAYOUTS)
     lora_r: int = param(16, "LoRA rank", lo=1)
     lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
-    lora_dropout: float = param(0.0, "LoRA dropout; must be 0 (PPO's ratio needs deterministic forwards)",
-                                lo=0.0, hi=0.0)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
-    value_adapter: bool = param(False, "lora layout: the value head gets its own LoRA adapter "
-                                "instead of sharing the policy's trunk")
-    critic_model: str | None = param(None, "full layout: checkpoint to initialize the critic trunk from "
-                                     "(e.g. the reward model); default: the policy")
+    critic_model: str | None = param(None, "full layout: a reward model to start the critic from (its trunk "
+                                     "and score head, as TRL does); default: the policy's trunk, zero head")
     # ---- data and reward
     prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, or demo")
     prompt_field: str = param("prompt", "field of each row that holds the prompt text")
@@ -42,8 +37,6 @@ class RLHFConfig:
     reward: str = param("vader", "reward spec, comma-separated: vader, length:N, format:REGEX, "
                         "eos_penalty:X, model:PATH (its own tokenizer, else the policy's), py:module:function")
     reward_weights: str | None = param(None, "comma-separated weight per reward term (default: all 1)")
-    missing_eos_penalty: float | None = param(None, "subtract this from the score of completions that hit "
-                                              "max_new_tokens without a stop token", lo=0.0)
     # ---- sampling
     max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens", lo=1)
     max_new_tokens: int = param(32, "response length limit", lo=1)
@@ -68,9 +61,10 @@ class RLHFConfig:
     kl_estimator: str = param("k1", "per-token KL estimator in the reward", choices=KL_ESTIMATORS)
     kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0)
     kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1)
-    recompute_logprobs: bool = param(False, "recompute old log-probs and values in a full policy pass after "
-                                     "sampling (one more forward); default: the sampler's, as TRL does - bit-"
-                                     "identical on CPU with eager attention, to rounding elsewhere")
+    old_logprobs: str = param("auto", "where the old log-probs and values come from: sampler (the decode "
+                              "loop's, as TRL does); recompute (one more policy forward per update); auto: the "
+                              "sampler's if a check on the first rollout finds them bit-identical to the "
+                              "forward, else recomputed", choices=("auto", "sampler", "recompute"))
     whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
     max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0)
     # ---- run
@@ -82,6 +76,8 @@ class RLHFConfig:
     device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
     torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)", lo=1)
     gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory")
+    decoder: str = param("auto", "sampling loop: lean (our Llama/Qwen2 decode step, ~2x faster); hf (the "
+                         "model's own forward, any model); auto: lean where it applies", choices=("auto", "lean", "hf"))
     attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (eager on CPU, "
                                      "faster there at RLHF lengths; the model's default elsewhere), eager, sdpa",
                                      choices=("auto", "eager", "sdpa"))
@@ -98,16 +94,6 @@ class RLHFConfig:
         if self.mini_batch_size % self.micro_batch_size:
             raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide mini_batch_size "
                             f"{self.mini_batch_size}; allowed: a divisor of mini_batch_size")
-        if self.value_adapter and self.layout != "lora":
-            raise UserError("value_adapter: only the lora layout has adapters; allowed: false with layout full")
         if self.critic_model is not None and self.layout != "full":
-            raise UserError("critic_model: only the full layout has a separate critic; "
-                            "allowed: none with layout lora")
-
-    @property
-    def num_mini_batches(self) -> int:
-        return self.batch_size // self.mini_batch_size
-
-    @property
-    def grad_accum(self) -> int:
-        return self.mini_batch_size // self.micro_batch_size
+            raise UserError(f"critic_model: only the full layout has a separate critic model; allowed: none "
+                            f"with layout {self.layout}")

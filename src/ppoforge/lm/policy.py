@@ -1,17 +1,22 @@
-"""The two model layouts PPO can train: `lora` (default) and `full` (TRL's four models).
+"""The three model layouts PPO can train: `lora` (default), `lora-critic` and `full` (TRL's four models).
 
-- `LoraLayout`: one frozen base model with peft LoRA adapters as the policy. The reference is the same
-  base with the adapters switched off (`disable_adapter()`), so there is no second copy of the weights.
-  The value head reads the policy's own last hidden states (one trunk pass gives logits and values, and
-  the critic's gradients flow into the adapters), or, with `value_adapter`, a second LoRA adapter.
-- `FullLayout`: every policy weight trains; a frozen copy is the reference and the critic is its own
-  backbone copy (from the policy or from another checkpoint such as the reward model) with a value head.
+- `lora`: one frozen base model with peft LoRA adapters as the policy. The reference is the same base
+  with the adapters switched off, so there is no second copy of the weights. The value head reads the
+  policy's own last hidden states: one trunk pass gives logits and values, and the critic's gradients
+  flow into the policy's adapters.
+- `lora-critic`: the same, but the critic is a second LoRA adapter ("critic") on the same base.
+- `full`: every policy weight trains; a frozen copy is the reference and the critic is its own
+  backbone copy (from the policy, or from a reward model together with its score head).
 
-Both run the backbone (`lm.base_model`) themselves and return the hidden states of the positions that
-predict response tokens; the trainer applies the LM head (`logits`) to them in row chunks, so prompt
-positions never cost a (P, V) projection and scoring never holds a (B, T, V) tensor. Everything stays in eval
-mode — dropout is off, which PPO's ratio needs — and gradient checkpointing is switched on per decoder
-layer without putting any module in training mode.
+Every layout runs the backbone (`lm.base_model`) itself and returns the hidden states of the positions
+that predict response tokens; the trainer applies the LM head (`logits`) to them in row chunks, so
+prompt positions never cost a (P, V) projection and scoring never holds a (B, T, V) tensor. Everything
+stays in eval mode — dropout is off, which PPO's ratio needs — and gradient checkpointing is switched
+on per decoder layer without putting any module in training mode.
+
+Each layout has a plain path (Hugging Face modules) and, where `decoder` allows it, the lean decoder as
+an accelerator for sampling and for the LoRA reference pass (`fast_ref_forward`); the trainer checks
+once that the accelerator equals the plain path before it trusts it (see `trainer.RLHFTrainer`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -28,8 +32,9 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from ppoforge.errors import UserError
 from ppoforge.lm.attention import as_attention_bias, causal_mask, position_ids
-from ppoforge.lm.decoders import Decoder, HFDecoder, LlamaDecoder, decoder_for, is_llama_family
+from ppoforge.lm.decoders import Decoder, HFDecoder, LlamaDecoder, is_llama_family
 
 
 class ValueHead(nn.Module):
@@ -38,6 +43,7 @@ class ValueHead(nn.Module):
     Zero-initialized: the first values are 0 and, on a shared trunk, the first value-loss gradients
     reach the trunk (the policy's adapters) only as the head grows, instead of a random head's large
     error pushing the policy around (and inflating Adam's second moments) before it has learned anything.
+    A critic made from a reward model starts from its score head instead (`from_score_head`).
     """
 
     def __init__(self, hidden: int):
@@ -45,6 +51,14 @@ class ValueHead(nn.Module):
         self.linear = nn.Linear(hidden, 1)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+
+    def from_score_head(self, score: nn.Linear) -> ValueHead:
+        """Copy a reward model's (1, hidden) score head: the critic starts as the whole reward model."""
+        with torch.no_grad():
+            self.linear.weight.copy_(score.weight.float())
+            if score.bias is not None:
+                self.linear.bias.copy_(score.bias.float())
+        return self
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
@@ -59,14 +73,16 @@ def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
     return out.last_hidden_state[:, -n_resp - 1:-1].contiguous()
 
 
-def enable_gradient_checkpointing(lm: nn.Module) -> None:
+def enable_gradient_checkpointing(lm: nn.Module, context_fn=None) -> None:
     """Recompute each decoder layer in backward. HF only checkpoints a layer whose own `training` flag is
-    set, so we set that flag on the layer objects alone: their children stay in eval (no dropout)."""
+    set, so we set that flag on the layer objects alone: their children stay in eval (no dropout).
+    `context_fn` (torch.utils.checkpoint's) sets up what the recomputation must see."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     lm.eval()
     for module in lm.modules():
         if isinstance(module, GradientCheckpointingLayer):
@@ -120,10 +136,24 @@ def _freeze(module: nn.Module) -> nn.Module:
     return module.eval()
 
 
+def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Store every Linear (not tied to the input embeddings) in `dtype`, the rest as it is (fp32).
+
+    A frozen copy of an fp32 policy stored so computes exactly what the policy computes under autocast
+    (which casts Linear weights to `dtype` on every call, and leaves embeddings and norms in fp32) at
+    about half the memory: the full layout's reference, whose KL to the policy must be 0 at update 1."""
+    embedding = model.get_input_embeddings().weight
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight is not embedding:
+            module.to(dtype)
+    return model
+
+
 class Layout(Protocol):
     """What the trainer needs from a model layout."""
 
     policy_model: nn.Module  # the policy as a Hugging Face causal LM (adapters injected in lora)
+    fast_ref_forward: object  # `ref_forward` through the lean decoder's prepared weights, or None
 
     def decoder(self) -> contextlib.AbstractContextManager[Decoder]: ...  # the policy, for the sampler
 
@@ -148,8 +178,10 @@ class Layout(Protocol):
 
 
 class LoraLayout:
+    """`lora` (value head on the policy's trunk) and, with `critic_adapter`, `lora-critic`."""
+
     def __init__(self, base: nn.Module, r: int, alpha: float, target_modules: str | list[str],
-                 value_adapter: bool = False):
+                 critic_adapter: bool = False, decoder: str = "auto"):
         from peft import LoraConfig, get_peft_model
 
         _freeze(base)
@@ -157,8 +189,8 @@ class LoraLayout:
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
             self.peft = get_peft_model(base, lora).eval()
-        self.value_adapter = value_adapter
-        if value_adapter:
+        self.critic_adapter = critic_adapter
+        if critic_adapter:
             self.peft.add_adapter("critic", lora)
         self.policy_model = self.peft.get_base_model()  # the HF model with adapters injected
         self.backbone = self.policy_model.base_model
@@ -167,10 +199,11 @@ class LoraLayout:
         self._trainable = [(n, p) for n, p in self.peft.named_parameters() if "lora_" in n]
         self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
         self._use_adapter("default")
-        # what the lean decoder applies itself: plain (not DoRA, not Conv1D-style) LoRA on Linear layers
-        self._lean_adapters = all(isinstance(m, LoraLinear) and not m.fan_in_fan_out and not any(m.use_dora.values())
-                                  for m in self.peft.modules() if isinstance(m, LoraLayer))
-        self._lean = None  # the lean decoder, kept: it prepares the frozen base's weights once
+        # The lean decoder, kept: it prepares the frozen base's weights once for every rollout and
+        # reference pass.
+        lean = _use_lean(decoder, self)
+        self._lean = LlamaDecoder(self.policy_model, _base_linear_params, _policy_adapter) if lean else None
+        self.fast_ref_forward = self._lean.base_hidden if lean else None
         if next(base.parameters()).dtype != torch.float32:
             # A low-precision base only runs under autocast, which casts the activations for the
             # adapters' matmuls itself; peft's own cast of every adapter input to the adapters' fp32
@@ -179,25 +212,22 @@ class LoraLayout:
                 if isinstance(module, LoraLayer):
                     module.cast_input_dtype_enabled = False
 
+    def lean_applies(self) -> bool:
+        """Can the lean decoder run this policy: a Llama-family model with plain LoRA (not DoRA, not
+        Conv1D-style) on Linear layers, which it applies itself?"""
+        return is_llama_family(self.policy_model.config) and all(
+            isinstance(m, LoraLinear) and not m.fan_in_fan_out and not any(m.use_dora.values())
+            for m in self.peft.modules() if isinstance(m, LoraLayer))
+
     def decoder(self):
-        """The policy (base + adapter) as a decoder. The lean one reads the frozen base's weights,
-        prepared once, and applies the adapter unmerged each step, as the trainer's forward does; the
-        HF forward runs on merged weights over an fp32 base (exact to fp32 rounding), else unmerged."""
-        lean = self._lean_decoder()
-        if lean is not None:
-            return contextlib.nullcontext(lean)
+        """The policy (base + adapter) as a decoder. The lean one reads the frozen base's prepared weights
+        and applies the adapter unmerged each step, as the trainer's forward does; the HF forward runs on
+        merged weights over an fp32 base (exact to fp32 rounding), else unmerged."""
+        if self._lean is not None:
+            return contextlib.nullcontext(self._lean)
         if self.policy_model.get_input_embeddings().weight.dtype == torch.float32:
             return _yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
         return contextlib.nullcontext(HFDecoder(self.policy_model))
-
-    def _lean_decoder(self) -> LlamaDecoder | None:
-        """The lean decoder over the frozen base, built on first use and kept (its prepared weights
-        serve every rollout and every reference pass), or None where it does not apply."""
-        if not (is_llama_family(self.policy_model.config) and self._lean_adapters):
-            return None
-        if self._lean is None:
-            self._lean = LlamaDecoder(self.policy_model, _base_linear_params, _policy_adapter)
-        return self._lean
 
     def _use_adapter(self, name: str) -> None:
         # peft's set_adapter also flips requires_grad off on the inactive adapter, which would stop its
@@ -206,36 +236,44 @@ class LoraLayout:
         for _, p in self._trainable:
             p.requires_grad_(True)
 
+    @contextlib.contextmanager
+    def _adapter(self, name: str):
+        previous = self.peft.base_model.active_adapter
+        self._use_adapter(name)
+        try:
+            yield
+        finally:
+            self._use_adapter(previous)
+
+    def recompute_with_the_same_adapter(self):
+        """torch.utils.checkpoint's `context_fn`: a checkpointed layer is recomputed in backward with the
+        adapter that was active in its forward. Without it the critic adapter's layers were recomputed
+        with the policy's (the active one by then), so its gradients came from the wrong activations."""
+        return contextlib.nullcontext(), self._adapter(self.peft.base_model.active_adapter)
+
     def _critic_hidden(self, ids, mask, n_resp):
         """The trunk pass with the critic's adapter in place of the policy's."""
-        self._use_adapter("critic")
-        try:
+        with self._adapter("critic"):
             return response_hidden(self.backbone, ids, mask, n_resp)
-        finally:
-            self._use_adapter("default")
 
     def forward(self, ids, mask, n_resp):
         hidden = response_hidden(self.backbone, ids, mask, n_resp)
-        critic_hidden = self._critic_hidden(ids, mask, n_resp) if self.value_adapter else hidden
+        critic_hidden = self._critic_hidden(ids, mask, n_resp) if self.critic_adapter else hidden
         return hidden, self.value_head(critic_hidden)
 
     def values(self, ids, mask, n_resp):
-        critic = self._critic_hidden if self.value_adapter else partial(response_hidden, self.backbone)
-        return self.value_head(critic(ids, mask, n_resp))
+        if self.critic_adapter:
+            return self.value_head(self._critic_hidden(ids, mask, n_resp))
+        return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
 
     def sampled_values(self, hidden):
-        return None if self.value_adapter else self.value_head(hidden)
+        return None if self.critic_adapter else self.value_head(hidden)
 
     def logits(self, hidden):
         return self.policy_model.get_output_embeddings()(hidden)
 
     def ref_forward(self, ids, mask, n_resp):
-        """The base with adapters off. Through the lean decoder's prepared base weights where it
-        applies (no grad is ever needed here): ~10 % faster than peft's disabled-adapter forward on
-        SmolLM2 in bf16 on CPU, and bit for bit the same under eager attention (tested)."""
-        lean = self._lean_decoder()
-        if lean is not None:
-            return lean.base_hidden(ids, mask, n_resp)
+        """The base with adapters off (peft's disabled-adapter forward)."""
         with self.peft.disable_adapter():
             return response_hidden(self.backbone, ids, mask, n_resp)
 
@@ -251,26 +289,33 @@ class LoraLayout:
         it is). fp32 even over a bf16 base: rounding W + s * B @ A to bf16 loses a small delta (65 % of
         the demo's trained adapter, measured), so a bf16 export would not be the policy that trained."""
         merged = copy.deepcopy(self.peft).float()
-        if self.value_adapter:
+        if self.critic_adapter:
             merged.delete_adapter("critic")
         merged.merge_and_unload().save_pretrained(path)
 
 
 class FullLayout:
-    def __init__(self, policy: nn.Module, reference: nn.Module, critic_backbone: nn.Module):
+    def __init__(self, policy: nn.Module, reference: nn.Module, critic_backbone: nn.Module,
+                 value_head: ValueHead, decoder: str = "auto"):
         self.policy_model = policy.eval()
         self.policy_backbone = policy.base_model
         self.reference = _freeze(reference)
         self.critic = critic_backbone.eval()
-        self.value_head = ValueHead(critic_backbone.config.hidden_size).to(next(policy.parameters()).device).eval()
+        self.value_head = value_head.eval()
+        self.lean = _use_lean(decoder, self)
+        self.fast_ref_forward = None  # the reference is its own model: only the plain pass
         self._trainable = [(f"policy.{n}", p) for n, p in policy.named_parameters()]
         self._trainable += [(f"critic.{n}", p) for n, p in self.critic.named_parameters()]
         self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
         for _, p in self._trainable:
             p.requires_grad_(True)
 
+    def lean_applies(self) -> bool:
+        return is_llama_family(self.policy_model.config)
+
     def decoder(self):
-        return contextlib.nullcontext(decoder_for(self.policy_model))
+        """A fresh decoder per rollout: its prepared weights are a snapshot of the training weights."""
+        return contextlib.nullcontext(LlamaDecoder(self.policy_model) if self.lean else HFDecoder(self.policy_model))
 
     def forward(self, ids, mask, n_resp):
         values = self.value_head(response_hidden(self.critic, ids, mask, n_resp))
@@ -298,22 +343,42 @@ class FullLayout:
         self.policy_model.save_pretrained(path)
 
 
-def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, value_adapter: bool,
-               gradient_checkpointing: bool = False) -> LoraLayout:
+def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, critic_adapter: bool = False,
+               gradient_checkpointing: bool = False, decoder: str = "auto") -> LoraLayout:
     """LoRA layout over an already loaded causal LM (it is frozen in place)."""
     targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
-    layout = LoraLayout(base, r, alpha, targets, value_adapter)
+    layout = LoraLayout(base, r, alpha, targets, critic_adapter, decoder)
     if gradient_checkpointing:
-        enable_gradient_checkpointing(layout.policy_model)
+        enable_gradient_checkpointing(layout.policy_model, layout.recompute_with_the_same_adapter)
     return layout
 
 
 def build_full(policy: nn.Module, reference: nn.Module, critic_source: nn.Module | None = None,
-               gradient_checkpointing: bool = False) -> FullLayout:
-    """Full layout; the critic's backbone is a copy of `critic_source`'s (default: the policy's)."""
+               gradient_checkpointing: bool = False, decoder: str = "auto") -> FullLayout:
+    """Full layout. The critic's backbone is a copy of `critic_source`'s (default: the policy's); a
+    reward model as the source also gives the value head its score head (TRL starts the value model
+    from the whole reward model)."""
     critic = copy.deepcopy((critic_source or policy).base_model)
-    layout = FullLayout(policy, reference, critic)
+    head = ValueHead(critic.config.hidden_size).to(next(policy.parameters()).device)
+    if critic_source is not None:
+        score = getattr(critic_source, "score", None)
+        if not (isinstance(score, nn.Linear) and score.out_features == 1):
+            raise UserError("critic_model: its sequence-classification head is not a (hidden -> 1) `score` "
+                            "Linear; allowed: a causal-LM reward model (e.g. LlamaForSequenceClassification)")
+        head.from_score_head(score)
+    layout = FullLayout(policy, reference, critic, head, decoder)
     if gradient_checkpointing:
         enable_gradient_checkpointing(policy)
         enable_gradient_checkpointing(critic)
     return layout
+
+
+def _use_lean(choice: str, layout) -> bool:
+    """`decoder`: auto -> the lean decoder where it applies; lean -> it, or a UserError; hf -> never."""
+    if choice == "hf":
+        return False
+    applies = layout.lean_applies()
+    if choice == "lean" and not applies:
+        raise UserError(f"decoder: lean needs a Llama-family model (llama, qwen2) with plain LoRA on Linear "
+                        f"layers; this is a {layout.policy_model.config.model_type}; allowed: auto or hf")
+    return applies

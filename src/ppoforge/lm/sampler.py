@@ -7,8 +7,9 @@ host sync per step (the "all stopped?" check, free on CPU).
 
 Log-probs are those of the sampled tokens under softmax(logits / temperature) — the same scaling the
 PPO update uses (`token_logprobs`). With top-k / top-p the token is drawn from the truncated
-distribution but its log-prob is still the untruncated one's, as in TRL; leave both off for exact
-on-policy ratios.
+distribution but its log-prob is the untruncated one's, which is what the update recomputes; TRL's
+PPOTrainer stored the truncated (processed) scores' log-probs instead. Either way the sampling
+distribution is not the one the update optimizes: leave both off for exact on-policy ratios.
 """
 
 from __future__ import annotations

@@ -3,17 +3,21 @@
 The recipe is Ziegler et al. 2019 as TRL's PPOTrainer implements it: per-token reward = -beta * KL to
 the frozen reference on every response token plus the reward function's score on the last one; GAE
 over response tokens (gamma 1, lambda 0.95); advantages whitened over the batch's real tokens; clipped
-surrogate and clipped value loss; fixed or adaptive beta; old log-probs are the sampler's, as in TRL.
+surrogate and clipped value loss; fixed or adaptive beta; old log-probs are the sampler's, as in TRL —
+but only once a check on the first rollout found them bit-identical to the update's own forward
+(`old_logprobs: auto`), else recomputed: a ratio that is not exactly 1 before any update is a bias.
 Deliberate differences from TRL: the model layouts (`policy.py`: LoRA with the reference = adapters
 off, no second copy), our own KV-cache decode loop (which also hands over the values when the value
-head reads the policy's trunk), and micro-batch losses normalized by the mini-batch's token count so
-that gradient accumulation gives exactly the mini-batch gradient. Left out: reward-model training,
-multi-process training, value-head warm-up, per-token entropy regularization beyond `ent_coef`.
+head reads the policy's trunk), and micro-batch losses weighted by their share of the mini-batch's
+tokens (`core/accumulation.py`) so that gradient accumulation gives exactly the mini-batch gradient.
+Left out: reward-model training, multi-process training, value-head warm-up, per-token entropy
+regularization beyond `ent_coef`.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from ppoforge.config import config_to_dict, save_config
+from ppoforge.core.accumulation import token_share
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppoforge.core.losses import policy_loss, value_loss
 from ppoforge.core.stats import masked_mean
@@ -30,7 +35,6 @@ from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.rollout import Rollout, advantages, left_pad, token_rewards
 from ppoforge.lm.sampler import Samples, SamplingParams, sample
 from ppoforge.lm.setup import Components, build_components
-from ppoforge.runtime.allocator import keep_freed_memory
 from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state
 from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.progress import Progress
@@ -59,18 +63,19 @@ class RLHFTrainer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
-        self.c: Components = build_components(cfg, reward_fn)
-        if self.c.device.type == "cpu":
-            keep_freed_memory()  # see runtime/allocator.py: ~20 % of a full-layout update was page faults
-        self.layout, self.tokenizer, self.precision = self.c.layout, self.c.tokenizer, self.c.precision
+        self.parts: Components = build_components(cfg, reward_fn)
+        self.layout, self.tokenizer, self.precision = self.parts.layout, self.parts.tokenizer, self.parts.precision
         self.params = [p for _, p in self.layout.named_trainable()]
         # fused: one kernel for all tensors (~6x faster than the default on CPU for LoRA's many small ones)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
                        else FixedKLController(cfg.kl_coef))
         self.sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                       self.c.stop_ids, self.tokenizer.pad_token_id)
-        self.gen = torch.Generator(self.c.device).manual_seed(cfg.seed)
+                                       self.parts.stop_ids, self.tokenizer.pad_token_id)
+        # Old log-probs, values and the reference from the sampler and the lean decoder (True), or from
+        # the plain forwards (False); None: decided by comparing both on the first rollout.
+        self.fast_scoring = {"sampler": True, "recompute": False, "auto": None}[cfg.old_logprobs]
+        self.gen = torch.Generator(self.parts.device).manual_seed(cfg.seed)
         self.update = 0   # completed updates
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
         self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
@@ -99,7 +104,7 @@ class RLHFTrainer:
     # ---- data ---------------------------------------------------------------------------------------
     def next_prompts(self) -> list[int]:
         """Row indices of the next batch: epoch e visits the prompts in a permutation seeded by (seed, e)."""
-        n, out = len(self.c.prompt_ids), []
+        n, out = len(self.parts.prompt_ids), []
         for i in range(self.cursor, self.cursor + self.cfg.batch_size):
             if self._order[0] != i // n:
                 self._order = (i // n, np.random.default_rng([self.cfg.seed, i // n]).permutation(n))
@@ -111,7 +116,7 @@ class RLHFTrainer:
     def generate(self, token_rows: list[list[int]], generator: torch.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor, Samples]:
         """Left-pad the prompts and sample; returns (prompt + response ids, prompt mask, samples)."""
-        prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.c.device)
+        prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.parts.device)
         with self.layout.decoder() as decoder, self.precision.autocast():
             samples = sample(decoder, prompt_ids, prompt_mask, self.sampling, generator)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
@@ -124,10 +129,7 @@ class RLHFTrainer:
     def score(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
         prompts = [r[self.cfg.prompt_field] for r in rows]
         with torch.inference_mode(), self.precision.autocast():
-            scores = self.c.score(prompts, texts, samples.finished.tolist(), rows).to(self.c.device)
-        if self.cfg.missing_eos_penalty:  # TRL's: completions cut off by max_new_tokens lose this much
-            scores = scores - self.cfg.missing_eos_penalty * (~samples.finished).float()
-        return scores
+            return self.parts.score(prompts, texts, samples.finished.tolist(), rows).to(self.parts.device)
 
     def _chunked_logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
         """fp32 log-probs of resp (B, T) from hidden (B, T, H), the LM head applied micro-batch by micro-batch."""
@@ -135,27 +137,53 @@ class RLHFTrainer:
         return torch.cat([token_logprobs(head(hidden[s:s + step]), resp[s:s + step], self.cfg.temperature,
                                          entropy=False)[0] for s in range(0, resp.shape[0], step)])
 
-    @torch.inference_mode()
-    def evaluate(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
-        """Old log-probs and values, reference log-probs, all fp32, for the rollout.
-
-        Old log-probs are the sampler's: the distribution the tokens were drawn from, as in TRL (the
-        lean decoder computes them exactly as the update's forward does on CPU). Values come from the
-        sampler's hidden states when the value head reads the policy's trunk, else from the critic's
-        pass. `recompute_logprobs` takes both from one full policy pass instead, for kernels where the
-        sampler and the full forward round differently (SDPA, GPUs). The reference always takes a pass.
-        """
+    def _plain_scoring(self, ids, mask, samples: Samples):
+        """(old logp, values, ref logp) from the Hugging Face forwards: the update's own computation."""
         n, resp = samples.response_ids.shape[1], samples.response_ids
+        hidden, values = self.layout.forward(ids, mask, n)
+        logp = self._chunked_logprobs(self.layout.logits, hidden, resp)
+        ref = self._chunked_logprobs(self.layout.ref_logits, self.layout.ref_forward(ids, mask, n), resp)
+        return logp, values, ref
+
+    def _fast_scoring(self, ids, mask, samples: Samples):
+        """The same from what the sampler already has (its log-probs and, on a shared trunk, its hidden
+        states) and the lean decoder's reference pass; only the missing pieces take a pass."""
+        n, resp = samples.response_ids.shape[1], samples.response_ids
+        values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
+        if values is None:
+            values = self.layout.values(ids, mask, n)
+        ref_forward = self.layout.fast_ref_forward or self.layout.ref_forward
+        ref = self._chunked_logprobs(self.layout.ref_logits, ref_forward(ids, mask, n), resp)
+        return samples.logp, values, ref
+
+    def _check_fast_scoring(self, plain, fast, m: torch.Tensor) -> bool:
+        """Are the fast path's numbers the plain path's, bit for bit (on real tokens)? Said once, on stderr."""
+        gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(("log-probs", "values", "reference"),
+                                                                             plain, fast, strict=True)}
+        exact = all(g == 0 for g in gaps.values())
+        if not exact:
+            what = ", ".join(f"{k} by up to {v:.2g}" for k, v in gaps.items() if v)
+            print(f"ppoforge: the sampler's numbers differ from the training forward ({what}) on "
+                  f"{self.parts.device.type} / {self.precision.name} / {self.policy_attention()}: old log-probs, "
+                  "values and the reference are recomputed every update (one more forward)", file=sys.stderr)
+        return exact
+
+    def policy_attention(self) -> str:
+        return getattr(self.layout.policy_model.config, "_attn_implementation", "?")
+
+    @torch.inference_mode()
+    def logprobs_and_values(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
+        """The rollout with its old log-probs and values and the reference log-probs, all fp32.
+
+        From the sampler where that is exact (see `fast_scoring`), else from full forwards. Under
+        `old_logprobs: auto` the first rollout computes both and keeps the plain numbers."""
         with self.precision.autocast():
-            if self.cfg.recompute_logprobs:
-                hidden, values = self.layout.forward(ids, mask, n)
-                logp = self._chunked_logprobs(self.layout.logits, hidden, resp)
+            if self.fast_scoring is None:
+                numbers, fast = self._plain_scoring(ids, mask, samples), self._fast_scoring(ids, mask, samples)
+                self.fast_scoring = self._check_fast_scoring(numbers, fast, samples.response_mask)
             else:
-                logp = samples.logp
-                values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
-                if values is None:
-                    values = self.layout.values(ids, mask, n)
-            ref_logp = self._chunked_logprobs(self.layout.ref_logits, self.layout.ref_forward(ids, mask, n), resp)
+                numbers = (self._fast_scoring if self.fast_scoring else self._plain_scoring)(ids, mask, samples)
+        logp, values, ref_logp = numbers
         m = samples.response_mask
         return Rollout(ids, mask, samples.response_ids, m, logp * m, ref_logp * m, values * m, scores)
 
@@ -188,9 +216,7 @@ class RLHFTrainer:
                 pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
                 v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
                 ent = masked_mean(entropy, m)
-                # Each micro-batch's mean is over its own tokens; reweight by its share of the
-                # mini-batch's tokens so the accumulated gradient is the mini-batch token mean.
-                share = m.sum() / mb_tokens
+                share = token_share(m, mb_tokens)  # the accumulated gradient is the mini-batch token mean
                 loss = pg_loss + cfg.vf_coef * v_loss
                 if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
                     loss = loss - cfg.ent_coef * ent
@@ -206,14 +232,14 @@ class RLHFTrainer:
             group["lr"] = lr
         # 1. prompts -> responses (eval mode, no grad, KV cache)
         idx = self.next_prompts()
-        rows = [self.c.rows[i] for i in idx]
-        ids, prompt_mask, samples = self.generate([self.c.prompt_ids[i] for i in idx], self.gen)
+        rows = [self.parts.rows[i] for i in idx]
+        ids, prompt_mask, samples = self.generate([self.parts.prompt_ids[i] for i in idx], self.gen)
         gen_s = time.perf_counter() - start
         # 2. score: reward on the decoded text; reference log-probs (and what the sampler lacks) in a pass
         texts = self.completions(samples)
         scores = self.score(rows, texts, samples)
         mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
-        b = self.evaluate(ids, mask, samples, scores).detached()
+        b = self.logprobs_and_values(ids, mask, samples, scores).detached()
         # 3. per-token rewards (-beta * KL, score at the last token) -> GAE -> whitened advantages
         beta = self.kl_ctl.value
         kl = kl_penalty(b.logp, b.ref_logp, cfg.kl_estimator) * b.resp_mask
@@ -245,17 +271,17 @@ class RLHFTrainer:
     def heldout_scores(self) -> tuple[float, list[dict]] | None:
         """Mean score over `heldout_samples` completions of each held-out prompt, and their table rows
         (its own generator, so training's RNG stream is untouched and every evaluation sees the same draws)."""
-        if not self.c.heldout_rows:
+        if not self.parts.heldout_rows:
             return None
-        gen = torch.Generator(self.c.device).manual_seed(self.cfg.seed + 1)
+        gen = torch.Generator(self.parts.device).manual_seed(self.cfg.seed + 1)
         k, bs = self.cfg.heldout_samples, self.cfg.batch_size
         # each prompt k times in a row: (prompt, sample) pairs, batched like training rollouts
-        pairs = [(i, j) for i in range(len(self.c.heldout_rows)) for j in range(k)]
+        pairs = [(i, j) for i in range(len(self.parts.heldout_rows)) for j in range(k)]
         table = []
         for s in range(0, len(pairs), bs):
             batch = pairs[s:s + bs]
-            rows = [self.c.heldout_rows[i] for i, _ in batch]
-            _, _, samples = self.generate([self.c.heldout_ids[i] for i, _ in batch], gen)
+            rows = [self.parts.heldout_rows[i] for i, _ in batch]
+            _, _, samples = self.generate([self.parts.heldout_ids[i] for i, _ in batch], gen)
             texts = self.completions(samples)
             scores = self.score(rows, texts, samples).tolist()
             table += [{"prompt": r[self.cfg.prompt_field], "sample": j, "completion": t, "score": x}
