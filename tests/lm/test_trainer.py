@@ -194,6 +194,11 @@ def _grads_and_params_after_one_update(cfg, run_dir):
     """One update with plain SGD (Adam's first step is ~sign(g), which amplifies rounding)."""
     trainer = RLHFTrainer(cfg, run_dir, reward_fn=word_reward)
     trainer.optimizer = torch.optim.SGD(trainer.params, lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # LoRA B and the value head start at 0: give every trainable a gradient path
+        for name, p in trainer.layout.named_trainable():
+            if "lora_B" in name or name.startswith("value_head"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     captured = {}
     step = trainer.precision.step
 
@@ -215,6 +220,7 @@ def test_accumulation_invariance_and_gradient_checkpointing(cfg_for, tmp_path, l
     g_ckpt, _ = _grads_and_params_after_one_update(
         cfg_for(micro_batch_size=2, gradient_checkpointing=True, **base), tmp_path / "c")
     assert g_big.keys() == g_small.keys() == g_ckpt.keys() and len(g_big) > 0
+    assert all(g.abs().max() > 0 for g in g_big.values())  # the critic adapter's too
     for name in g_big:
         torch.testing.assert_close(g_small[name], g_big[name], atol=1e-6, rtol=1e-4, msg=name)
         torch.testing.assert_close(g_ckpt[name], g_big[name], atol=1e-6, rtol=1e-4, msg=name)
