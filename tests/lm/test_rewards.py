@@ -214,6 +214,37 @@ def test_reward_model_scores_do_not_depend_on_batching(tiny_reward_model_dir):
     torch.testing.assert_close(torch.tensor(three), torch.tensor(one), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_absolute_position_reward_models_score_a_text_as_they_would_alone(tmp_path, tiny_lm_dir, arch):
+    """GPT-2 and BERT add absolute position embeddings (BERT also pools its first token): a text batched
+    beside a longer one must get the positions, and so the score, it gets alone."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_lm_dir)
+    tokenizer.chat_template = None  # plain concatenation: the texts differ only in length
+    tokenizer.save_pretrained(tmp_path)
+    size = dict(vocab_size=len(tokenizer), num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = GPT2ForSequenceClassification(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **size))
+    else:
+        model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                         intermediate_size=64, max_position_embeddings=64, **size))
+    model.save_pretrained(tmp_path)
+    prompts, completions = ["Hi", "Tell me a story about a city at night, please."], ["ok", "It was a great day."]
+    scorer = RewardModelScorer(str(tmp_path), batch_size=2)
+    together = scorer(prompts, completions)
+    alone = [scorer(prompts[i:i + 1], completions[i:i + 1])[0] for i in range(2)]
+    torch.testing.assert_close(torch.tensor(together), torch.tensor(alone), rtol=1e-5, atol=1e-6)
+    assert scorer.tokenizer.padding_side == "left"  # shared with the policy: left as it was
+
+
 def test_reward_model_renders_chat_template(tiny_reward_model_dir):
     scorer = RewardModelScorer(str(tiny_reward_model_dir))
     assert scorer.texts(["Hi"], ["Hello!"]) == [

@@ -88,8 +88,11 @@ class RewardModelScorer:
     """A scalar reward model (`AutoModelForSequenceClassification`, 1 label) as a reward function.
 
     Each (prompt, completion) is rendered as a user/assistant conversation with the reward model's
-    own chat template when it has one, else concatenated, then scored in left-padded batches so the
-    last position is the last real token.
+    own chat template when it has one, else concatenated, then scored in right-padded batches: every
+    text starts at position 0 as it would alone, which absolute-position models (GPT-2, BERT-style
+    encoders that pool their first token) need — left-padded, a GPT-2 reward model scored the same text
+    0.056 alone and 0.106 beside a longer one. Causal-LM classifiers find the last real token from the
+    pad token themselves.
     """
 
     def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
@@ -115,7 +118,8 @@ class RewardModelScorer:
         scores = []
         for i in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
-                                   add_special_tokens=not self.tokenizer.chat_template).to(self.device)
+                                   padding_side="right", add_special_tokens=not self.tokenizer.chat_template
+                                   ).to(self.device)
             scores += self.model(**batch).logits[:, 0].float().tolist()  # (b,)
         return scores
 
