@@ -124,3 +124,29 @@ def test_lean_reference_pass_equals_the_disabled_adapter_forward(tiny_lm_dir, pr
         torch.testing.assert_close(got[real], want[real], **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
                                                            else {"atol": 0.05, "rtol": 0.02}))
     assert (got[real] - policy[real]).abs().max() > 0.1  # the adapters were really off
+
+
+def test_a_critic_from_a_reward_model_starts_as_the_whole_reward_model(tiny_lm_dir, tiny_reward_model_dir):
+    """TRL's value model is the reward model, score head included: at the last token the critic's value
+    equals the reward model's score (and it is not the zero head of a fresh critic)."""
+    from ppoforge.lm.models import load_reward_model
+    from ppoforge.lm.policy import build_full
+
+    layout = build_full(load_causal_lm(str(tiny_lm_dir)), load_causal_lm(str(tiny_lm_dir)), load_reward_model(str(tiny_reward_model_dir)))
+    rm = load_reward_model(str(tiny_reward_model_dir))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    mask = torch.ones(2, 6)
+    with torch.no_grad():
+        values = layout.values(ids, mask, 5)  # (B, 5): V before each of the last 5 tokens
+        scores = rm(input_ids=ids[:, :-1]).logits[:, 0]  # the RM's score of the prefix ending at token 5
+    assert values.abs().max() > 0
+    torch.testing.assert_close(values[:, -1], scores, atol=1e-5, rtol=1e-5)
+
+
+def test_a_critic_model_without_a_score_head_is_refused(tiny_lm_dir):
+    from ppoforge.errors import UserError
+    from ppoforge.lm.policy import build_full
+
+    with pytest.raises(UserError, match=r"^critic_model: its sequence-classification head is not"):
+        build_full(load_causal_lm(str(tiny_lm_dir)), load_causal_lm(str(tiny_lm_dir)),
+                   load_causal_lm(str(tiny_lm_dir)))  # a plain LM: no score head
