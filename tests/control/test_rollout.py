@@ -2,6 +2,7 @@
 
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 
 from ppoforge.control.agent import ActorCritic, NumpyPolicy
@@ -102,3 +103,57 @@ def test_ezpickle_envs_restart_episodes_on_restore():
     assert fresh.obs[0, 0] == 0 and not fresh.reset_pending.any()  # a new episode, consistently reset
     ro = fresh.collect(ConstantPolicy(), num_steps=3)
     assert ro.valid.all() and ro.obs[:, 0, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+class _Counter(gym.Env):
+    """obs = [steps since reset], reward 1 per step, never terminates: only a time limit ends it."""
+
+    observation_space = gym.spaces.Box(0, 100, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([float(self.t)], np.float32), 1.0, False, False, {}
+
+
+class _KnownValue(ConstantPolicy):
+    """V(s) = 10 + s."""
+
+    def act(self, obs):
+        action, logp, _ = super().act(obs)
+        return action, logp, self.value(obs)
+
+    def value(self, obs):
+        return (10.0 + obs[:, 0]).astype(np.float32)
+
+
+def test_time_limit_bootstraps_from_the_final_observation_end_to_end():
+    """The trainer's wiring (collect -> rollout_advantages -> _flatten): with a time limit of 5 the 5th
+    step's advantage bootstraps from V(final obs), and the autoreset step is not in the batch."""
+    from ppoforge.control.envs import make_vector_env
+    from ppoforge.control.trainer import _flatten, rollout_advantages
+
+    gym.register("ppoforge-test/Counter-v0", entry_point=_Counter, max_episode_steps=5)
+    try:
+        runner = EnvRunner(make_vector_env("ppoforge-test/Counter-v0", 1), seed=0, gamma=0.9, normalize_obs=False,
+                           normalize_reward=False, clip_obs=10.0, clip_reward=10.0)
+        ro = runner.collect(_KnownValue(), num_steps=8)
+    finally:
+        del gym.registry["ppoforge-test/Counter-v0"]
+    gamma, lam = 0.9, 0.8
+    adv, ret = rollout_advantages(ro, gamma, lam)
+    v = lambda s: 10.0 + s  # noqa: E731
+    assert ro.obs[:6, 0, 0].tolist() == [0, 1, 2, 3, 4, 5] and ro.ended[4, 0] and not ro.terminated[4, 0]
+    # s4 = 4: r = 1, truncated, final obs 5 -> A4 = 1 + gamma * V(5) - V(4); the chain stops there
+    assert adv[4, 0] == pytest.approx(1 + gamma * v(5) - v(4))
+    delta3 = 1 + gamma * v(4) - v(3)
+    assert adv[3, 0] == pytest.approx(delta3 + gamma * lam * adv[4, 0])
+    batch = _flatten(ro, adv, ret, torch.device("cpu"))
+    assert not ro.valid[5, 0] and batch["obs"].shape[0] == 7  # 8 steps, the reset step dropped
+    assert batch["adv"][:5].tolist() == pytest.approx(adv[:5, 0].tolist())
+    assert batch["adv"][5:].tolist() == pytest.approx(adv[6:, 0].tolist())  # step 5 skipped

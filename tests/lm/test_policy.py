@@ -132,7 +132,8 @@ def test_a_critic_from_a_reward_model_starts_as_the_whole_reward_model(tiny_lm_d
     from ppoforge.lm.models import load_reward_model
     from ppoforge.lm.policy import build_full
 
-    layout = build_full(load_causal_lm(str(tiny_lm_dir)), load_causal_lm(str(tiny_lm_dir)), load_reward_model(str(tiny_reward_model_dir)))
+    layout = build_full(load_causal_lm(str(tiny_lm_dir)), load_causal_lm(str(tiny_lm_dir)),
+                        load_reward_model(str(tiny_reward_model_dir)))
     rm = load_reward_model(str(tiny_reward_model_dir))
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
     mask = torch.ones(2, 6)

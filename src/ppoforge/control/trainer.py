@@ -52,6 +52,15 @@ class TrainResult:
     stopped_by: str | None        # a signal name when interrupted
 
 
+def rollout_advantages(ro: Rollout, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """GAE advantages and returns, (T, N). next_values[t] = V(obs after step t): on a truncation that is
+    the final observation (see rollout.py), so the time limit bootstraps; after the last step, V(next obs)."""
+    next_values = np.concatenate([ro.values[1:], ro.next_value[None]], 0)
+    adv, ret = gae(*(torch.from_numpy(x) for x in (ro.rewards, ro.values, next_values, ro.terminated, ro.ended)),
+                   gamma=gamma, lam=lam)
+    return adv.numpy(), ret.numpy()
+
+
 def _flatten(ro: Rollout, adv: np.ndarray, ret: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
     """Valid transitions only, as (M, ...) tensors on the training device."""
     keep = ro.valid.reshape(-1)
@@ -207,10 +216,7 @@ class ControlTrainer:
         if cfg.anneal_lr:
             self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * (1.0 - self.update / cfg.num_updates)
         ro = self.runner.collect(self.policy, cfg.num_steps)
-        next_values = np.concatenate([ro.values[1:], ro.next_value[None]], 0)
-        adv, ret = gae(*(torch.from_numpy(x) for x in (ro.rewards, ro.values, next_values, ro.terminated,
-                                                      ro.ended)), gamma=cfg.gamma, lam=cfg.gae_lambda)
-        adv, ret = adv.numpy(), ret.numpy()
+        adv, ret = rollout_advantages(ro, cfg.gamma, cfg.gae_lambda)
         batch = _flatten(ro, adv, ret, self.device)
         metrics = ppo_update(self.agent, self.optimizer, self.precision, batch, cfg, self.handgrad)
         self.update += 1
