@@ -11,6 +11,7 @@ from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
 
 LAYOUTS = ("lora", "lora-critic", "full")  # see lm/policy.py
+SCORING_MODES = ("auto", "sampler", "recompute")  # see lm/scoring.py
 
 
 @dataclass
@@ -61,10 +62,10 @@ class RLHFConfig:
     kl_estimator: str = param("k1", "per-token KL estimator in the reward", choices=KL_ESTIMATORS)
     kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0)
     kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1)
-    old_logprobs: str = param("auto", "where the old log-probs and values come from: sampler (the decode "
-                              "loop's, as TRL does); recompute (one more policy forward per update); auto: the "
-                              "sampler's if a check on the first rollout finds them bit-identical to the "
-                              "forward, else recomputed", choices=("auto", "sampler", "recompute"))
+    old_logprobs: str = param("auto", "where old log-probs, values and the reference come from: sampler (the "
+                              "decode loop's and the lean decoder's, as TRL uses the sampler's); recompute "
+                              "(training forwards, one more per update); auto: the fast ones where a check on "
+                              "the first rollout finds them bit-identical, else recomputed", choices=SCORING_MODES)
     whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
     max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0)
     # ---- run

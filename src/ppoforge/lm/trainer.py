@@ -17,7 +17,6 @@ regularization beyond `ent_coef`.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.rollout import Rollout, advantages, left_pad, token_rewards
 from ppoforge.lm.sampler import Samples, SamplingParams, sample
+from ppoforge.lm.scoring import RolloutScoring
 from ppoforge.lm.setup import Components, build_components
 from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state
 from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
@@ -72,9 +72,8 @@ class RLHFTrainer:
                        else FixedKLController(cfg.kl_coef))
         self.sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                                        self.parts.stop_ids, self.tokenizer.pad_token_id)
-        # Old log-probs, values and the reference from the sampler and the lean decoder (True), or from
-        # the plain forwards (False); None: decided by comparing both on the first rollout.
-        self.fast_scoring = {"sampler": True, "recompute": False, "auto": None}[cfg.old_logprobs]
+        where = f"{self.parts.device.type} / {self.precision.name} / {self.policy_attention()} attention"
+        self.scoring = RolloutScoring(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where)
         self.gen = torch.Generator(self.parts.device).manual_seed(cfg.seed)
         self.update = 0   # completed updates
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
@@ -131,59 +130,15 @@ class RLHFTrainer:
         with torch.inference_mode(), self.precision.autocast():
             return self.parts.score(prompts, texts, samples.finished.tolist(), rows).to(self.parts.device)
 
-    def _chunked_logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
-        """fp32 log-probs of resp (B, T) from hidden (B, T, H), the LM head applied micro-batch by micro-batch."""
-        step = self.cfg.micro_batch_size
-        return torch.cat([token_logprobs(head(hidden[s:s + step]), resp[s:s + step], self.cfg.temperature,
-                                         entropy=False)[0] for s in range(0, resp.shape[0], step)])
-
-    def _plain_scoring(self, ids, mask, samples: Samples):
-        """(old logp, values, ref logp) from the Hugging Face forwards: the update's own computation."""
-        n, resp = samples.response_ids.shape[1], samples.response_ids
-        hidden, values = self.layout.forward(ids, mask, n)
-        logp = self._chunked_logprobs(self.layout.logits, hidden, resp)
-        ref = self._chunked_logprobs(self.layout.ref_logits, self.layout.ref_forward(ids, mask, n), resp)
-        return logp, values, ref
-
-    def _fast_scoring(self, ids, mask, samples: Samples):
-        """The same from what the sampler already has (its log-probs and, on a shared trunk, its hidden
-        states) and the lean decoder's reference pass; only the missing pieces take a pass."""
-        n, resp = samples.response_ids.shape[1], samples.response_ids
-        values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
-        if values is None:
-            values = self.layout.values(ids, mask, n)
-        ref_forward = self.layout.fast_ref_forward or self.layout.ref_forward
-        ref = self._chunked_logprobs(self.layout.ref_logits, ref_forward(ids, mask, n), resp)
-        return samples.logp, values, ref
-
-    def _check_fast_scoring(self, plain, fast, m: torch.Tensor) -> bool:
-        """Are the fast path's numbers the plain path's, bit for bit (on real tokens)? Said once, on stderr."""
-        gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(("log-probs", "values", "reference"),
-                                                                             plain, fast, strict=True)}
-        exact = all(g == 0 for g in gaps.values())
-        if not exact:
-            what = ", ".join(f"{k} by up to {v:.2g}" for k, v in gaps.items() if v)
-            print(f"ppoforge: the sampler's numbers differ from the training forward ({what}) on "
-                  f"{self.parts.device.type} / {self.precision.name} / {self.policy_attention()}: old log-probs, "
-                  "values and the reference are recomputed every update (one more forward)", file=sys.stderr)
-        return exact
-
     def policy_attention(self) -> str:
         return getattr(self.layout.policy_model.config, "_attn_implementation", "?")
 
     @torch.inference_mode()
     def logprobs_and_values(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
-        """The rollout with its old log-probs and values and the reference log-probs, all fp32.
-
-        From the sampler where that is exact (see `fast_scoring`), else from full forwards. Under
-        `old_logprobs: auto` the first rollout computes both and keeps the plain numbers."""
+        """The rollout with its old log-probs and values and the reference log-probs, all fp32
+        (from the sampler where that is exact: see `lm/scoring.py`)."""
         with self.precision.autocast():
-            if self.fast_scoring is None:
-                numbers, fast = self._plain_scoring(ids, mask, samples), self._fast_scoring(ids, mask, samples)
-                self.fast_scoring = self._check_fast_scoring(numbers, fast, samples.response_mask)
-            else:
-                numbers = (self._fast_scoring if self.fast_scoring else self._plain_scoring)(ids, mask, samples)
-        logp, values, ref_logp = numbers
+            logp, values, ref_logp = self.scoring(ids, mask, samples)
         m = samples.response_mask
         return Rollout(ids, mask, samples.response_ids, m, logp * m, ref_logp * m, values * m, scores)
 
