@@ -7,7 +7,7 @@ import torch
 from ppoforge.control.agent import ActorCritic
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.handgrad import HandGradStep
-from ppoforge.control.trainer import STAT_KEYS, ppo_update
+from ppoforge.control.update import UpdateStats, autograd_step, handgrad_step, make_step, ppo_update
 from ppoforge.core.losses import policy_loss, value_loss
 from ppoforge.runtime.precision import make_precision
 
@@ -38,7 +38,7 @@ def _minibatch(agent: ActorCritic, n: int, seed: int) -> dict[str, torch.Tensor]
 
 
 def _autograd(agent, mb, cfg: ControlConfig):
-    """The autograd path's loss (as in trainer.ppo_update) and its gradients."""
+    """The autograd path's loss (as in update.autograd_step) and its gradients."""
     agent.zero_grad(set_to_none=True)
     logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
     adv = (mb["adv"] - mb["adv"].mean()) / (mb["adv"].std() + 1e-8) if cfg.norm_adv else mb["adv"]
@@ -65,7 +65,8 @@ def test_gradients_and_stats_equal_autograd(continuous, act_dim, clip_vloss, nor
                                       strict=True):
             assert want.abs().sum() > 0 or name_p == "net.weights.2", name_p  # the loss reaches every parameter
             torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=name_p)
-        np.testing.assert_allclose(stats, expected_stats, rtol=1e-5, atol=1e-6)
+        assert list(stats) == list(UpdateStats._fields)
+        np.testing.assert_allclose(list(UpdateStats(**stats)), expected_stats, rtol=1e-5, atol=1e-6)
 
 
 def test_some_ratios_and_values_clip_in_the_parity_batches():
@@ -100,15 +101,25 @@ def test_a_whole_update_follows_the_autograd_update(continuous):
     agents = [_agent(continuous, 2, seed=3) for _ in range(2)]
     batch = _minibatch(agents[0], 256, 7)
     results = []
+    fp32 = make_precision("fp32", torch.device("cpu"))
     for agent, hand in zip(agents, (False, True), strict=True):
         opt = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
-        step = HandGradStep(agent, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef, cfg.norm_adv)
+        step = handgrad_step(agent, opt, cfg) if hand else autograd_step(agent, opt, fp32, cfg)
         torch.manual_seed(11)  # the minibatch shuffles
-        stats = ppo_update(agent, opt, make_precision("fp32", torch.device("cpu")), batch, cfg,
-                           step if hand else None)
-        results.append((stats, [p.detach().clone() for p in agent.parameters()]))
+        results.append((ppo_update(step, batch, cfg), [p.detach().clone() for p in agent.parameters()]))
     (stats_a, params_a), (stats_h, params_h) = results
-    assert list(stats_a) == [f"losses/{k}" for k in STAT_KEYS] == list(stats_h)
-    np.testing.assert_allclose(list(stats_h.values()), list(stats_a.values()), rtol=1e-4, atol=1e-6)
+    assert isinstance(stats_a, UpdateStats) and isinstance(stats_h, UpdateStats)
+    np.testing.assert_allclose(list(stats_h), list(stats_a), rtol=1e-4, atol=1e-6)
     for a, h in zip(params_a, params_h, strict=True):
         torch.testing.assert_close(h, a, rtol=1e-4, atol=1e-6)
+
+
+def test_make_step_picks_hand_gradients_only_for_fp32_on_cpu():
+    agent = _agent(False, 2)
+    opt = torch.optim.Adam(agent.parameters())
+    cpu = torch.device("cpu")
+    name = lambda step: step.__qualname__.split(".")[0]  # noqa: E731
+    assert name(make_step(agent, opt, make_precision("fp32", cpu), ControlConfig())) == "handgrad_step"
+    assert name(make_step(agent, opt, make_precision("bf16", cpu), ControlConfig())) == "autograd_step"
+    assert name(make_step(agent, opt, make_precision("fp32", cpu), ControlConfig(hand_gradients=False))) \
+        == "autograd_step"

@@ -25,9 +25,6 @@ import torch
 
 from ppoforge.control.agent import LOG_2PI, ActorCritic
 
-# (policy_loss, value_loss, entropy, approx_kl, clipfrac, old_approx_kl), as the autograd path reports
-N_STATS = 6
-
 
 class HandGradStep:
     """Computes one minibatch's gradients into the agent's .grad; shares memory with the parameters."""
@@ -51,8 +48,9 @@ class HandGradStep:
         self.g_log_std = self.grads[2 * n_layers].numpy() if self.continuous else None
 
     def __call__(self, obs: np.ndarray, actions: np.ndarray, old_logp: np.ndarray, old_values: np.ndarray,
-                 adv: np.ndarray, returns: np.ndarray, with_stats: bool) -> np.ndarray | None:
-        """Set every parameter's .grad to d loss / d param for this minibatch; stats if asked."""
+                 adv: np.ndarray, returns: np.ndarray, with_stats: bool) -> dict[str, float] | None:
+        """Set every parameter's .grad to d loss / d param for this minibatch; the diagnostics of
+        `update.UpdateStats`, by name, if asked."""
         n = obs.shape[0]
         # forward: (2, n, width) per layer, index 0 the actor, 1 the critic
         a1 = np.tanh(obs @ self.w[0] + self.b[0])
@@ -77,9 +75,9 @@ class HandGradStep:
         if not with_stats:
             return None
         log_ratio = head.logp - old_logp
-        return np.array([np.maximum(surrogate, surrogate_clipped).mean(), 0.5 * v_terms.mean(), head.entropy.mean(),
-                         ((ratio - 1.0) - log_ratio).mean(), (np.abs(ratio - 1.0) > self.clip).mean(),
-                         (-log_ratio).mean()], dtype=np.float64)
+        return {"policy_loss": np.maximum(surrogate, surrogate_clipped).mean(), "value_loss": 0.5 * v_terms.mean(),
+                "entropy": head.entropy.mean(), "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
+                "clipfrac": (np.abs(ratio - 1.0) > self.clip).mean(), "old_approx_kl": (-log_ratio).mean()}
 
     def _value_grad(self, values: np.ndarray, old_values: np.ndarray, returns: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:

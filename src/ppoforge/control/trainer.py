@@ -10,7 +10,6 @@ action stored). Deliberate deviation from CleanRL: time-limit truncations bootst
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,9 @@ from ppoforge.config import config_to_dict, save_config
 from ppoforge.control.agent import ActorCritic, make_policy
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.envs import make_vector_env
-from ppoforge.control.handgrad import HandGradStep
 from ppoforge.control.rollout import EnvRunner, Rollout
+from ppoforge.control.update import make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.core.losses import policy_loss, value_loss
 from ppoforge.runtime.checkpoint import (
     load_checkpoint,
     rng_state,
@@ -36,7 +34,7 @@ from ppoforge.runtime.checkpoint import (
 )
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
-from ppoforge.runtime.precision import Precision, make_precision
+from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.signals import StopFlag
 
@@ -68,72 +66,6 @@ def _flatten(ro: Rollout, adv: np.ndarray, ret: np.ndarray, device: torch.device
     return {k: torch.from_numpy(v.reshape(keep.shape[0], *v.shape[2:])[keep]).to(device) for k, v in cols.items()}
 
 
-STAT_KEYS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl")
-
-
-def ppo_update(agent: ActorCritic, optimizer, precision: Precision, batch: dict[str, torch.Tensor],
-               cfg: ControlConfig, handgrad: HandGradStep | None = None) -> dict[str, float]:
-    """`update_epochs` passes of shuffled minibatches; returns the last epoch's mean diagnostics.
-
-    With `handgrad` (CPU, fp32) each minibatch's gradients come from the hand-derived numpy path
-    instead of autograd; shuffling, clipping rule, optimizer and diagnostics are the same.
-    """
-    if handgrad is not None:
-        step = functools.partial(_handgrad_step, handgrad, optimizer, cfg)
-    else:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        step = functools.partial(_autograd_step, agent, optimizer, params, precision, cfg)
-    n = batch["obs"].shape[0]
-    for epoch in range(cfg.update_epochs):
-        # Diagnostics only where they are read: the logged last epoch, or every epoch for target_kl.
-        with_stats = cfg.target_kl is not None or epoch == cfg.update_epochs - 1
-        stats = []
-        perm = torch.randperm(n, device=batch["obs"].device)
-        # Shuffle once per epoch, then take contiguous views: 6 gathers an epoch instead of 6 a minibatch.
-        columns = {k: v[perm].tensor_split(cfg.num_minibatches) for k, v in batch.items()}
-        for i in range(cfg.num_minibatches):
-            mb_stats = step({k: v[i] for k, v in columns.items()}, with_stats)
-            if with_stats:
-                stats.append(mb_stats)
-        if with_stats:
-            mean = torch.stack(stats).mean(0).tolist()
-            if cfg.target_kl is not None and mean[3] > cfg.target_kl:
-                break
-    return {f"losses/{k}": v for k, v in zip(STAT_KEYS, mean, strict=True)}
-
-
-def _autograd_step(agent: ActorCritic, optimizer, params: list[torch.Tensor], precision: Precision,
-                   cfg: ControlConfig, mb: dict[str, torch.Tensor], with_stats: bool) -> torch.Tensor | None:
-    """One minibatch: loss, backward, clip, Adam; the STAT_KEYS diagnostics as a tensor if asked."""
-    with precision.autocast():
-        logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
-    adv = mb["adv"]
-    if cfg.norm_adv and adv.numel() > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    pg_loss, pg_stats = policy_loss(logp, mb["logp"], adv, cfg.clip_coef, with_stats=with_stats)
-    v_loss, _ = value_loss(values, mb["values"], mb["ret"], cfg.clip_coef if cfg.clip_vloss else None,
-                           with_stats=False)
-    ent = entropy.mean()
-    loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
-    optimizer.zero_grad(set_to_none=True)
-    precision.backward(loss)
-    precision.step(optimizer, params, cfg.max_grad_norm)
-    if not with_stats:
-        return None
-    return torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg_stats["approx_kl"],
-                        pg_stats["clipfrac"], (mb["logp"] - logp.detach()).mean()])
-
-
-def _handgrad_step(handgrad: HandGradStep, optimizer, cfg: ControlConfig, mb: dict[str, torch.Tensor],
-                   with_stats: bool) -> torch.Tensor | None:
-    """The same minibatch step with hand-derived gradients, on numpy views of the CPU minibatch."""
-    cols = (mb[k].numpy() for k in ("obs", "actions", "logp", "values", "adv", "ret"))
-    stats = handgrad(*cols, with_stats)
-    handgrad.clip_grad_norm(cfg.max_grad_norm)
-    optimizer.step()
-    return None if stats is None else torch.from_numpy(stats)
-
-
 def explained_variance(pred: np.ndarray, target: np.ndarray) -> float:
     var = np.var(target)
     return float("nan") if var == 0 else float(1 - np.var(target - pred) / var)
@@ -163,9 +95,7 @@ class ControlTrainer:
                                 cfg.clip_obs, cfg.clip_reward)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, self.policy_rng)
-        hand = cfg.hand_gradients and self.device.type == "cpu" and self.precision.name == "fp32"
-        self.handgrad = (HandGradStep(self.agent, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
-                                      cfg.norm_adv) if hand else None)
+        self.step = make_step(self.agent, self.optimizer, self.precision, cfg)
         self.update = 0  # completed updates
 
     # ---- checkpoint -------------------------------------------------------------------------------
@@ -218,7 +148,7 @@ class ControlTrainer:
         ro = self.runner.collect(self.policy, cfg.num_steps)
         adv, ret = rollout_advantages(ro, cfg.gamma, cfg.gae_lambda)
         batch = _flatten(ro, adv, ret, self.device)
-        metrics = ppo_update(self.agent, self.optimizer, self.precision, batch, cfg, self.handgrad)
+        metrics = {f"losses/{k}": v for k, v in ppo_update(self.step, batch, cfg)._asdict().items()}
         self.update += 1
         keep = ro.valid
         metrics["losses/explained_variance"] = explained_variance(ro.values[keep], ret[keep])
