@@ -20,7 +20,7 @@ def test_strings_from_the_cli_are_coerced():
     ({"total_steps": 1.5}, "total_steps: 1.5 is not an integer"),
     ({"gamma": 1.5}, "gamma: 1.5 is out of range; allowed: <= 1.0"),
     ({"learning_rate": 0}, "learning_rate: 0.0 is out of range; allowed: > 0"),
-    ({"precision": "fp8"}, "precision: 'fp8' is not allowed; allowed: fp32, bf16, fp16"),
+    ({"precision": "fp8"}, "precision: 'fp8' is not allowed; allowed: auto, fp32, bf16, fp16"),
     ({"anneal_lr": "maybe"}, "anneal_lr: 'maybe' is not a boolean"),
     ({"num_minibatches": 1000, "num_envs": 1, "num_steps": 8, "total_steps": 8}, "num_minibatches: 1000 exceeds"),
     ({"device": "tpu"}, "device: 'tpu' is not allowed"),
