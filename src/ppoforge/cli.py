@@ -7,12 +7,14 @@
   ppoforge train rlhf --preset demo --total-updates 40
   ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
 
-Bad input of any kind ends in one line on stderr and exit code 2 (see errors.UserError).
+Every failure ends in one line on stderr: bad input exit code 2, a fault of the environment exit code
+1 (see errors.py); `--debug` (anywhere on the line) or PPOFORGE_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,11 +23,12 @@ from ppoforge.config import (
     add_config_arguments,
     build_config,
     list_presets,
-    load_saved_config,
     overrides_from_args,
     read_preset,
+    read_saved_config,
+    resume_config,
 )
-from ppoforge.errors import UserError
+from ppoforge.errors import UserError, classify
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,15 +49,25 @@ def _new_run_dir(root: str, name: str) -> Path:
 
 
 def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]:
-    """--resume: the run dir's saved config plus CLI overrides; else preset plus overrides, new run dir."""
+    """--resume: the run dir's saved config plus the overrides a resume may change, and the code it names
+    checked against the code the run started with; else preset plus overrides into a new (or, with
+    --overwrite, emptied) run dir. Validation only: nothing is written here."""
+    from ppoforge.runtime import rundir, trust
+
     overrides = overrides_from_args(args)
     if args.resume:
+        if args.preset or args.run_dir:
+            raise UserError("resume: --preset and --run-dir belong to a new run; allowed with --resume: the "
+                            "run dir and the fields a resume may change")
         run_dir = Path(args.resume)
-        saved = load_saved_config(cls, run_dir / "config.yaml")
-        return build_config(cls, {**vars(saved), **overrides}), run_dir
+        cfg = resume_config(cls, read_saved_config(run_dir / "config.yaml"), overrides)
+        trust.check_resume(run_dir, cfg, args.trust_run_dir)
+        return cfg, run_dir
     values = read_preset(args.preset, domain) if args.preset else {}
     cfg = build_config(cls, {**values, **overrides})
-    return cfg, Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, run_name(cfg))
+    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, run_name(cfg))
+    rundir.prepare_new_run_dir(run_dir, args.overwrite)
+    return cfg, run_dir
 
 
 def _status(stopped_by: str | None) -> str:
@@ -126,7 +139,11 @@ def _add_train_parser(train_sub, domain: str, cls, help: str, run_name: str, fun
     p = train_sub.add_parser(domain, help=help)
     p.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets(domain))}) or a YAML file")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--trust-run-dir", action="store_true",
+                   help="with --resume: import the code the run dir's config names (py: items) even though it "
+                   "changed since the run started")
     p.add_argument("--run-dir", help=f"where to write the run (default: RUNS_ROOT/{run_name})")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
     p.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
     add_config_arguments(p, cls)
     p.set_defaults(func=func)
@@ -179,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("PPOFORGE_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
     try:
         args = build_parser().parse_args(argv)
         if args.command in ("train", "demo"):
@@ -186,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
 
             keep_freed_memory()  # process-wide, so here and not in a trainer (see runtime/allocator.py)
         return args.func(args)
-    except UserError as e:
-        print(f"ppoforge: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("ppoforge: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the error boundary: every failure is one line (errors.py)
+        if debug:
+            raise
+        code, line = classify(e)
+        print(f"ppoforge: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from importlib import resources
@@ -20,9 +21,14 @@ import yaml
 from ppoforge.errors import UserError
 
 
-def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None):
-    """A config field: default, one-line doc, and optional allowed values / inclusive bounds / x > gt."""
-    meta = {"help": help, "choices": choices, "lo": lo, "hi": hi, "gt": gt}
+def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None, resume: bool = False):
+    """A config field: default, one-line doc, and optional allowed values / inclusive bounds / x > gt.
+
+    Every number is finite (NaN and inf are refused) and every numeric field has an upper bound `hi`, so
+    a size no machine could hold is refused before anything is allocated. `resume=True` marks a field
+    that may change when a run is resumed (the run's length, logging, checkpoint cadence); every other
+    field shapes the checkpoint or its meaning and must stay as the run started."""
+    meta = {"help": help, "choices": choices, "lo": lo, "hi": hi, "gt": gt, "resume": resume}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -35,34 +41,56 @@ def _base_type(annotation) -> tuple[type, bool]:
     return annotation, False
 
 
+def _to_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise UserError(f"{name}: {value!r} is not a boolean; allowed: true or false")
+
+
+def _to_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise UserError(f"{name}: {value!r} is not an integer")
+    if isinstance(value, int):
+        return value
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise UserError(f"{name}: {value!r} is not an integer") from None
+    if not (math.isfinite(as_float) and as_float.is_integer()):
+        raise UserError(f"{name}: {value!r} is not an integer")
+    return int(as_float)
+
+
+def _to_float(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise UserError(f"{name}: {value!r} is not a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise UserError(f"{name}: {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise UserError(f"{name}: {value!r} is not a finite number; allowed: a finite number")
+    return number
+
+
+def _to_str(name: str, value) -> str:
+    if isinstance(value, (list, dict, tuple, set)):
+        raise UserError(f"{name}: {value!r:.60} is not a single value; allowed: a string")
+    return str(value)
+
+
+_CONVERT = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
 def _coerce(name: str, value, annotation):
     kind, optional = _base_type(annotation)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
         raise UserError(f"{name}: a value is required ({kind.__name__})")
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise UserError(f"{name}: {value!r} is not a boolean; allowed: true or false")
-    if kind is int:
-        if isinstance(value, bool):
-            raise UserError(f"{name}: {value!r} is not an integer")
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{name}: {value!r} is not an integer") from None
-        if not as_float.is_integer():
-            raise UserError(f"{name}: {value!r} is not an integer")
-        return int(as_float)
-    if kind is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{name}: {value!r} is not a number") from None
-    return str(value)
+    return _CONVERT[kind](name, value)
 
 
 def _check(name: str, value, meta: dict) -> None:
@@ -130,7 +158,8 @@ def list_presets(domain: str) -> list[str]:
 def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """One `--field-name` option per field; values stay strings until `build_config` coerces them."""
     group = parser.add_argument_group(f"{cls.__name__} fields (override preset values)")
-    for f in dataclasses.fields(cls):
+    own = set(cls.__annotations__)
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):  # inherited ones last
         kind, _ = _base_type(typing.get_type_hints(cls)[f.name])
         extra = f" {{{','.join(map(str, f.metadata['choices']))}}}" if f.metadata["choices"] else ""
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg.{f.name}", default=argparse.SUPPRESS,
@@ -147,13 +176,43 @@ def config_to_dict(cfg) -> dict:
 
 
 def save_config(cfg, path: Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    from ppoforge.runtime.rundir import atomic_write_text
+
+    atomic_write_text(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
-def load_saved_config(cls, path: Path):
+def read_saved_config(path: Path) -> dict:
+    """The {field: value} mapping of a run dir's config.yaml."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError:
         raise UserError(f"no config.yaml in run dir {Path(path).parent}") from None
-    return build_config(cls, data)
+    except yaml.YAMLError as e:
+        raise UserError(f"resume: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"resume: {path} is not a mapping of config keys to values")
+    return data
+
+
+def load_saved_config(cls, path: Path):
+    return build_config(cls, read_saved_config(path))
+
+
+def resumable_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("resume")]
+
+
+def resume_config(cls, saved: dict, overrides: dict):
+    """The saved run's config with `overrides` applied. Changing a field that shapes the checkpoint
+    (a model, a size, the env, the layout...) is refused, all of them in one line; the fields marked
+    `resume=True` (length, logging, checkpoint cadence) may change."""
+    before = build_config(cls, saved)
+    after = build_config(cls, {**saved, **overrides})
+    allowed = set(resumable_fields(cls))
+    refused = [f.name for f in dataclasses.fields(cls)
+               if getattr(before, f.name) != getattr(after, f.name) and f.name not in allowed]
+    if refused:
+        shown = ", ".join(f"{n} ({getattr(before, n)!r} -> {getattr(after, n)!r})" for n in refused)
+        raise UserError(f"resume: cannot change {shown} of a checkpointed run; allowed on resume: "
+                        f"{', '.join(resumable_fields(cls))} (start a new run for the rest)")
+    return after

@@ -10,6 +10,7 @@ from ppoforge.control.handgrad import HandGradStep
 from ppoforge.control.update import UpdateStats, autograd_step, handgrad_step, make_step, ppo_update
 from ppoforge.core.losses import policy_loss, value_loss
 from ppoforge.runtime.precision import make_precision
+from ppoforge.runtime.resilience import NonFiniteGuard
 
 
 def _agent(continuous: bool, act_dim: int, seed: int = 0) -> ActorCritic:
@@ -104,7 +105,8 @@ def test_a_whole_update_follows_the_autograd_update(continuous):
     fp32 = make_precision("fp32", torch.device("cpu"))
     for agent, hand in zip(agents, (False, True), strict=True):
         opt = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
-        step = handgrad_step(agent, opt, cfg) if hand else autograd_step(agent, opt, fp32, cfg)
+        guard = NonFiniteGuard(3, "stop")
+        step = handgrad_step(agent, opt, cfg, guard) if hand else autograd_step(agent, opt, fp32, cfg, guard)
         torch.manual_seed(11)  # the minibatch shuffles
         results.append((ppo_update(step, batch, cfg), [p.detach().clone() for p in agent.parameters()]))
     (stats_a, params_a), (stats_h, params_h) = results
@@ -118,8 +120,9 @@ def test_make_step_picks_hand_gradients_only_for_fp32_on_cpu():
     agent = _agent(False, 2)
     opt = torch.optim.Adam(agent.parameters())
     cpu = torch.device("cpu")
+    guard = NonFiniteGuard(3, "stop")
     name = lambda step: step.__qualname__.split(".")[0]  # noqa: E731
-    assert name(make_step(agent, opt, make_precision("fp32", cpu), ControlConfig())) == "handgrad_step"
-    assert name(make_step(agent, opt, make_precision("bf16", cpu), ControlConfig())) == "autograd_step"
-    assert name(make_step(agent, opt, make_precision("fp32", cpu), ControlConfig(hand_gradients=False))) \
+    assert name(make_step(agent, opt, make_precision("fp32", cpu), ControlConfig(), guard)) == "handgrad_step"
+    assert name(make_step(agent, opt, make_precision("bf16", cpu), ControlConfig(), guard)) == "autograd_step"
+    assert name(make_step(agent, opt, make_precision("fp32", cpu), ControlConfig(hand_gradients=False), guard)) \
         == "autograd_step"

@@ -212,13 +212,13 @@ def _grads_and_params_after_one_update(cfg, run_dir):
             if "lora_B" in name or name.startswith("value_head"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     captured = {}
-    step = trainer.precision.step
+    clip = trainer.precision.clip
 
-    def capture(optimizer, params, max_grad_norm):
+    def capture(optimizer, params, max_grad_norm):  # the mini-batch's gradients, before the step
         captured.update({n: p.grad.clone() for n, p in trainer.layout.named_trainable() if p.grad is not None})
-        return step(optimizer, params, max_grad_norm)
+        return clip(optimizer, params, max_grad_norm)
 
-    trainer.precision.step = capture
+    trainer.precision.clip = capture
     trainer.train_one_update()
     return captured, _snapshot(trainer.layout.named_trainable())
 
@@ -239,19 +239,27 @@ def test_accumulation_invariance_and_gradient_checkpointing(cfg_for, tmp_path, l
         torch.testing.assert_close(p_small[name], p_big[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_resume_after_sigterm_matches_uninterrupted_run(cfg_for, tmp_path):
+@pytest.mark.parametrize("where", ["reward", "between"])
+def test_resume_after_sigterm_matches_uninterrupted_run(cfg_for, tmp_path, where):
+    """SIGTERM inside a reward call abandons that update at once (the checkpoint holds the one before);
+    SIGTERM elsewhere (here: in the KL controller, after the rewards) finishes the update. Either way
+    the resumed run equals the uninterrupted one."""
     cfg = cfg_for(total_updates=4, ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, checkpoint_every=10)
     train(cfg, tmp_path / "full", reward_fn=word_reward)
     calls = []
 
     def reward_then_sigterm(prompts, completions, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # during update 2: finish it, checkpoint, stop
+        if len(calls) == 2 and where == "reward":  # during update 2's reward call
             os.kill(os.getpid(), signal.SIGTERM)
         return word_reward(prompts, completions)
 
-    stopped = train(cfg, tmp_path / "split", reward_fn=reward_then_sigterm)
-    assert stopped.stopped_by == "SIGTERM" and stopped.updates == 2
+    trainer = RLHFTrainer(cfg, tmp_path / "split", reward_fn=reward_then_sigterm)
+    if where == "between":
+        update_kl = trainer.kl_ctl.update
+        trainer.kl_ctl.update = lambda *a: (len(calls) == 2 and os.kill(os.getpid(), signal.SIGTERM), update_kl(*a))
+    stopped = trainer.run()
+    assert stopped.stopped_by == "SIGTERM" and stopped.updates == (1 if where == "reward" else 2)
     assert not (tmp_path / "split" / "policy").exists()  # no export for an unfinished run
     resumed = train(cfg, tmp_path / "split", resume=True, reward_fn=word_reward)
     assert resumed.updates == 4
@@ -306,7 +314,8 @@ def test_cli_trains_and_resumes(tiny_lm_dir, prompts_file, tmp_path, capsys):
     (["--resume", "/no/such/run"], "no config.yaml in run dir"),
 ])
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path, args, message):
-    code, err = _cli(capsys, "--run-dir", str(tmp_path / "r"), *args)
+    run_dir = [] if "--resume" in args else ["--run-dir", str(tmp_path / "r")]
+    code, err = _cli(capsys, *run_dir, *args)
     assert code == 2
     assert len(err.splitlines()) == 1 and message in err, err
 

@@ -23,20 +23,16 @@ from ppoforge.control.agent import ActorCritic, make_policy
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
-from ppoforge.control.update import make_step, ppo_update
+from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime.checkpoint import (
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    seed_everything,
-    set_rng_state,
-)
+from ppoforge.runtime import trust
+from ppoforge.runtime.checkpoint import load_checkpoint, resume_from, rng_state, seed_everything, set_rng_state
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
-from ppoforge.runtime.signals import StopFlag
+from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.timeouts import call_with_timeout
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -95,18 +91,24 @@ class ControlTrainer:
                                 cfg.clip_obs, cfg.clip_reward)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, self.policy_rng)
-        self.step = make_step(self.agent, self.optimizer, self.precision, cfg)
+        self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
+        self.step = make_step(self.agent, self.optimizer, self.precision, cfg, self.guard)
         self.update = 0  # completed updates
+        self.lr_scale = 1.0  # lowered by each non-finite rollback
+        self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
+        self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train control --resume {self.run_dir}")
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"agent": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "precision": self.precision.state_dict(), "runner": self.runner.state_dict(),
                 "policy_rng": self.policy_rng.bit_generator.state, "rng": rng_state(),
-                "update": self.update, "config": config_to_dict(self.cfg)}
+                "update": self.update, "config": config_to_dict(self.cfg), "guard": self.guard.state_dict(),
+                "lr_scale": self.lr_scale}
 
-    def save(self) -> None:
-        save_checkpoint(self.run_dir / CHECKPOINT, self.state_dict())
+    def light_state(self) -> dict:
+        """Unused: the whole state is small enough to copy at every update (see RunGuard)."""
+        return self.state_dict()
 
     def load(self, state: dict) -> None:
         self.agent.load_state_dict(state["agent"])
@@ -116,39 +118,57 @@ class ControlTrainer:
         self.policy_rng.bit_generator.state = state["policy_rng"]
         set_rng_state(state["rng"])
         self.update = state["update"]
+        self.guard.load_state_dict(state.get("guard", {}))
+        self.lr_scale = state.get("lr_scale", 1.0)
+
+    def rollback(self) -> None:
+        """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
+        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        self.load(load_checkpoint(self.run_dir / CHECKPOINT))
+        self.guard.counts.update(counts)
+        self.lr_scale = scale
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.update * self.cfg.batch_size)
 
     # ---- training ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.cfg
         save_config(cfg, self.run_dir / "config.yaml")
+        if self.update == 0:
+            trust.record(self.run_dir, cfg)
         truncate_metrics(self.run_dir / "metrics.jsonl", self.update * cfg.batch_size)
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
         progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
                             enabled=cfg.progress, unit="step")
+
+        def after_update(metrics: dict) -> None:
+            logger.log(self.update * cfg.batch_size, metrics)
+            progress.advance(cfg.batch_size, sps=metrics["charts/SPS"], ret=metrics.get("charts/episodic_return"))
+
         try:
-            with StopFlag() as stop:
-                while self.update < cfg.num_updates and not stop:
-                    metrics = self.train_one_update()
-                    logger.log(self.update * cfg.batch_size, metrics)
-                    progress.advance(cfg.batch_size, sps=metrics["charts/SPS"],
-                                     ret=metrics.get("charts/episodic_return"))
-                    if self.update % cfg.checkpoint_every == 0 or self.update == cfg.num_updates or stop:
-                        self.save()
+            if self.update == 0 and cfg.nonfinite_action == "rollback":
+                self.run_guard.save()  # a rollback needs a checkpoint to go back to
+            stopped = train_loop(self, self.run_guard, cfg.num_updates, cfg.checkpoint_every, after_update)
         finally:
             progress.close()
             logger.close()
         return TrainResult(self.run_dir, self.update * cfg.batch_size, self.update,
-                           [r for r, _ in self.runner.finished], stop.signal_name)
+                           [r for r, _ in self.runner.finished], stopped)
 
     def train_one_update(self) -> dict:
         cfg = self.cfg
         start = time.perf_counter()
-        if cfg.anneal_lr:
-            self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * (1.0 - self.update / cfg.num_updates)
-        ro = self.runner.collect(self.policy, cfg.num_steps)
+        anneal = (1.0 - self.update / cfg.num_updates) if cfg.anneal_lr else 1.0
+        self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * self.lr_scale * anneal
+        ro = call_with_timeout(lambda: self.runner.collect(self.policy, cfg.num_steps), cfg.call_timeout,
+                               f"a rollout of {cfg.num_steps} steps of {cfg.env_id}")
+        finite, ro.rewards = self.guard.rewards_ok(torch.from_numpy(ro.rewards), cfg.reward_clip)
+        ro.rewards = ro.rewards.numpy()
         adv, ret = rollout_advantages(ro, cfg.gamma, cfg.gae_lambda)
         batch = _flatten(ro, adv, ret, self.device)
-        metrics = {f"losses/{k}": v for k, v in ppo_update(self.step, batch, cfg)._asdict().items()}
+        self.optimizing = True
+        stats = ppo_update(self.step, batch, cfg) if finite else UpdateStats(*[float("nan")] * 6)
+        metrics = {f"losses/{k}": v for k, v in stats._asdict().items()}
+        metrics.update(self.guard.counts)
         self.update += 1
         keep = ro.valid
         metrics["losses/explained_variance"] = explained_variance(ro.values[keep], ret[keep])
@@ -164,7 +184,7 @@ def train(cfg: ControlConfig, run_dir: Path, resume: bool = False) -> TrainResul
     """Train (or, with resume, continue) a run in `run_dir`, then draw its learning curve."""
     trainer = ControlTrainer(cfg, run_dir)
     if resume:
-        trainer.load(load_checkpoint(Path(run_dir) / CHECKPOINT))
+        resume_from(trainer, Path(run_dir) / CHECKPOINT)
     result = trainer.run()
     plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss", "losses/approx_kl"],
                 Path(run_dir) / "learning_curve.png", title=cfg.env_id)

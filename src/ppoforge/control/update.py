@@ -18,6 +18,7 @@ from ppoforge.control.config import ControlConfig
 from ppoforge.control.handgrad import HandGradStep
 from ppoforge.core.losses import policy_loss, value_loss
 from ppoforge.runtime.precision import Precision
+from ppoforge.runtime.resilience import NonFiniteGuard
 
 
 class UpdateStats(NamedTuple):
@@ -58,7 +59,8 @@ def ppo_update(step: MinibatchStep, batch: dict[str, torch.Tensor], cfg: Control
     return mean
 
 
-def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlConfig) -> MinibatchStep:
+def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlConfig,
+                  guard: NonFiniteGuard) -> MinibatchStep:
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
     def step(mb: dict[str, torch.Tensor], with_stats: bool) -> torch.Tensor | None:
@@ -75,7 +77,8 @@ def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Cont
         loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
         optimizer.zero_grad(set_to_none=True)
         precision.backward(loss)
-        precision.step(optimizer, params, cfg.max_grad_norm)
+        norm = precision.clip(optimizer, params, cfg.max_grad_norm)
+        precision.apply(optimizer, skip=not guard.step_ok(loss.detach(), norm, precision.scaler is not None))
         if not with_stats:
             return None
         return torch.stack(UpdateStats(
@@ -86,22 +89,26 @@ def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Cont
     return step
 
 
-def handgrad_step(agent: ActorCritic, optimizer, cfg: ControlConfig) -> MinibatchStep:
+def handgrad_step(agent: ActorCritic, optimizer, cfg: ControlConfig, guard: NonFiniteGuard) -> MinibatchStep:
     grads = HandGradStep(agent, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef, cfg.norm_adv)
 
     def step(mb: dict[str, torch.Tensor], with_stats: bool):
-        """The same minibatch step with hand-derived gradients, on numpy views of the CPU minibatch."""
+        """The same minibatch step with hand-derived gradients, on numpy views of the CPU minibatch (a
+        non-finite loss makes a non-finite gradient norm: the guard reads the norm)."""
         stats = grads(*(mb[k].numpy() for k in ("obs", "actions", "logp", "values", "adv", "ret")), with_stats)
-        grads.clip_grad_norm(cfg.max_grad_norm)
-        optimizer.step()
+        norm = grads.clip_grad_norm(cfg.max_grad_norm)
+        if guard.step_ok(0.0, norm):
+            optimizer.step()
         return None if stats is None else torch.tensor(UpdateStats(**stats), dtype=torch.float64)
 
     return step
 
 
-def make_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlConfig) -> MinibatchStep:
-    """The hand-derived gradients for an fp32 agent on CPU (unless `hand_gradients` is false), else autograd."""
+def make_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlConfig,
+              guard: NonFiniteGuard) -> MinibatchStep:
+    """The hand-derived gradients for an fp32 agent on CPU (unless `hand_gradients` is false), else autograd.
+    Either way a step whose loss or gradient norm is not finite is skipped (`guard`)."""
     on_cpu = next(agent.parameters()).device.type == "cpu"
     if cfg.hand_gradients and on_cpu and precision.name == "fp32":
-        return handgrad_step(agent, optimizer, cfg)
-    return autograd_step(agent, optimizer, precision, cfg)
+        return handgrad_step(agent, optimizer, cfg, guard)
+    return autograd_step(agent, optimizer, precision, cfg, guard)

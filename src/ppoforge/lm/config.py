@@ -9,21 +9,23 @@ from ppoforge.core.kl import KL_ESTIMATORS
 from ppoforge.errors import UserError
 from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
+from ppoforge.runtime.resilience import FaultConfig
 
 LAYOUTS = ("lora", "lora-critic", "full")  # see lm/policy.py
 SCORING_MODES = ("auto", "sampler", "recompute")  # see lm/scoring.py
+MAX_ROLLOUT_TOKENS = 2**26  # the model-specific memory check comes when the model is known (lm/setup.py)
 
 
 @dataclass
-class RLHFConfig:
+class RLHFConfig(FaultConfig):
     # ---- models
     model: str = param("smollm2-135m-instruct", "policy model: a checkpoint dir, a hub id or a built-in name")
     tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")
     layout: str = param("lora", "lora: frozen base + adapters, reference = adapters off, value head on the "
                         "policy's trunk; lora-critic: the critic is a second adapter; full: TRL's 4 models",
                         choices=LAYOUTS)
-    lora_r: int = param(16, "LoRA rank", lo=1)
-    lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
+    lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
+    lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
     critic_model: str | None = param(None, "full layout: a reward model to start the critic from (its trunk "
                                      "and score head, as TRL does); default: the policy's trunk, zero head")
@@ -31,64 +33,77 @@ class RLHFConfig:
     prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, or demo")
     prompt_field: str = param("prompt", "field of each row that holds the prompt text")
     heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
-                                        "(eval/ metrics); none to skip")
+                                        "(eval/ metrics); none to skip", resume=True)
     heldout_samples: int = param(4, "completions sampled per held-out prompt; eval/scores averages all of "
-                                 "them (one sample of 16 prompts swung the mean by +-0.13 here)", lo=1)
+                                 "them (one sample of 16 prompts swung the mean by +-0.13 here)",
+                                 lo=1, hi=4096, resume=True)
     use_chat_template: bool = param(True, "wrap prompts in the tokenizer's chat template when it has one")
     reward: str = param("vader", "reward spec, comma-separated: vader, length:N, format:REGEX, "
                         "eos_penalty:X, model:PATH (its own tokenizer, else the policy's), py:module:function")
     reward_weights: str | None = param(None, "comma-separated weight per reward term (default: all 1)")
+    reward_clip: float | None = param(100.0, "clip each score to +-this, counted in guard/rewards_clipped "
+                                      "(none: off); a non-finite score skips the update (see reliability docs)",
+                                      gt=0, hi=1e12)
     # ---- sampling
-    max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens", lo=1)
-    max_new_tokens: int = param(32, "response length limit", lo=1)
-    temperature: float = param(0.7, "sampling temperature; log-probs use the same scaling", gt=0)
-    top_k: int = param(0, "sample from the k most likely tokens (0: off)", lo=0)
+    max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens", lo=1, hi=1_000_000)
+    max_new_tokens: int = param(32, "response length limit", lo=1, hi=1_000_000)
+    temperature: float = param(0.7, "sampling temperature; log-probs use the same scaling", gt=0, hi=100.0)
+    top_k: int = param(0, "sample from the k most likely tokens (0: off)", lo=0, hi=10_000_000)
     top_p: float = param(1.0, "nucleus sampling mass (1: off)", gt=0, hi=1.0)
     stop_tokens: str | None = param(None, "extra stop tokens besides EOS: comma-separated ids or tokens")
     # ---- PPO
-    batch_size: int = param(16, "prompts (= responses) per rollout", lo=1)
-    mini_batch_size: int = param(16, "responses per optimizer step", lo=1)
-    micro_batch_size: int = param(8, "responses per forward/backward (accumulated to a mini-batch)", lo=1)
-    ppo_epochs: int = param(4, "passes over each rollout", lo=1)
-    learning_rate: float = param(1e-4, "AdamW learning rate (full fine-tuning wants ~1e-6)", gt=0)
+    batch_size: int = param(16, "prompts (= responses) per rollout", lo=1, hi=1_000_000)
+    mini_batch_size: int = param(16, "responses per optimizer step", lo=1, hi=1_000_000)
+    micro_batch_size: int = param(8, "responses per forward/backward (accumulated to a mini-batch)", lo=1, hi=1_000_000)
+    ppo_epochs: int = param(4, "passes over each rollout", lo=1, hi=10_000)
+    learning_rate: float = param(1e-4, "AdamW learning rate (full fine-tuning wants ~1e-6)", gt=0, hi=10.0)
     anneal_lr: bool = param(True, "decay the learning rate linearly to 0 over total_updates")
     gamma: float = param(1.0, "discount over response tokens", lo=0.0, hi=1.0)
     lam: float = param(0.95, "GAE lambda", lo=0.0, hi=1.0)
-    clip: float = param(0.2, "PPO ratio clip epsilon", gt=0)
-    value_clip: float | None = param(0.2, "clip values to old values +- this (none: no value clipping)", gt=0)
-    vf_coef: float = param(0.1, "value loss coefficient", lo=0.0)
-    ent_coef: float = param(0.0, "entropy bonus coefficient", lo=0.0)
-    kl_coef: float = param(0.05, "initial KL penalty coefficient beta", lo=0.0)
+    clip: float = param(0.2, "PPO ratio clip epsilon", gt=0, hi=100.0)
+    value_clip: float | None = param(0.2, "clip values to old values +- this (none: no value clipping)", gt=0, hi=1e6)
+    vf_coef: float = param(0.1, "value loss coefficient", lo=0.0, hi=1e4)
+    ent_coef: float = param(0.0, "entropy bonus coefficient", lo=0.0, hi=1e4)
+    kl_coef: float = param(0.05, "initial KL penalty coefficient beta", lo=0.0, hi=1e4)
     kl_estimator: str = param("k1", "per-token KL estimator in the reward", choices=KL_ESTIMATORS)
-    kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0)
-    kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1)
+    kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0, hi=1e6)
+    kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1, hi=10**12)
     old_logprobs: str = param("auto", "where old log-probs, values and the reference come from: sampler (the "
                               "decode loop's and the lean decoder's, as TRL uses the sampler's); recompute "
                               "(training forwards, one more per update); auto: the fast ones where a check on "
-                              "the first rollout finds them bit-identical, else recomputed", choices=SCORING_MODES)
+                              "the first rollout finds them bit-identical, else recomputed",
+                              choices=SCORING_MODES, resume=True)
     whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
-    max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0)
+    max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0, hi=1e9)
     # ---- run
-    total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1)
-    seed: int = param(1, "seed for sampling, data order and initialization", lo=0)
+    total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1, hi=10**9, resume=True)
+    seed: int = param(1, "seed for sampling, data order and initialization", lo=0, hi=2**32 - 1)
     precision: str = param("fp32", "fp32; bf16 (autocast; CPU or CUDA); fp16 (CUDA, with a GradScaler); auto: bf16 "
                            "where the device has it natively (GPU >= sm80, CPU with AMX or AVX512-BF16), else fp32",
                            choices=PRECISION_CHOICES)
-    device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N")
-    torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)", lo=1)
-    gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory")
+    device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N", resume=True)
+    torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)",
+                                      lo=1, hi=4096, resume=True)
+    gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory", resume=True)
     decoder: str = param("auto", "sampling loop: lean (our Llama/Qwen2 decode step, ~2x faster); hf (the "
-                         "model's own forward, any model); auto: lean where it applies", choices=("auto", "lean", "hf"))
+                         "model's own forward, any model); auto: lean where it applies",
+                         choices=("auto", "lean", "hf"), resume=True)
     attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (eager on CPU, "
                                      "faster there at RLHF lengths; the model's default elsewhere), eager, sdpa",
                                      choices=("auto", "eager", "sdpa"))
-    checkpoint_every: int = param(25, "save a checkpoint every this many updates (and at the end)", lo=1)
-    log_every: int = param(1, "log metrics and a completions table every this many updates", lo=1)
-    tensorboard: bool = param(True, "also write TensorBoard event files")
-    progress: bool = param(True, "show a live progress bar")
+    checkpoint_every: int = param(25, "save a checkpoint every this many updates (and at the end)",
+                                  lo=1, hi=10**9, resume=True)
+    log_every: int = param(1, "log metrics and a completions table every this many updates",
+                           lo=1, hi=10**9, resume=True)
+    tensorboard: bool = param(True, "also write TensorBoard event files", resume=True)
+    progress: bool = param(True, "show a live progress bar", resume=True)
 
     def finalize(self) -> None:
         check_device_name(self.device)
+        tokens = self.batch_size * (self.max_prompt_tokens + self.max_new_tokens)
+        if tokens > MAX_ROLLOUT_TOKENS:
+            raise UserError(f"batch_size: {self.batch_size} x (max_prompt_tokens + max_new_tokens) = {tokens:,} tokens "
+                            f"per rollout; allowed: <= {MAX_ROLLOUT_TOKENS:,}")
         if self.batch_size % self.mini_batch_size:
             raise UserError(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size "
                             f"{self.batch_size}; allowed: a divisor of batch_size")

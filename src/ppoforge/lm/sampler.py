@@ -73,14 +73,22 @@ def _draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tupl
     return tok.squeeze(1), logp_all.gather(1, tok).squeeze(1)
 
 
+def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The (max_new_tokens, B) uniforms a batch's sampling consumes: one per row and step. Drawn up front,
+    so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws."""
+    device = generator.device if generator is not None else "cpu"
+    return torch.rand(params.max_new_tokens, batch, generator=generator, device=device)
+
+
 @torch.inference_mode()
 def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> Samples:
+           generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None) -> Samples:
     """Sample up to max_new_tokens per left-padded prompt (B, P); stops early once every row has stopped.
 
     `model` is a Hugging Face causal LM in eval mode (wrapped by `decoder_for`) or a ready Decoder. Run
     it under the caller's autocast. A row that stopped keeps sampling (its tokens are fed back and then
     discarded), so the loop body stays a handful of ops; masks and padding are applied once at the end.
+    `uniforms` (max_new_tokens, B), from `draw_uniforms`, replaces drawing them from `generator`.
     """
     decoder = decoder_for(model) if isinstance(model, nn.Module) else model
     batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
@@ -90,7 +98,9 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     hiddens = None if hidden is None else hidden.new_empty(batch, n_new, hidden.shape[-1])
     alive = torch.ones(batch, dtype=torch.bool, device=dev)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=dev)
-    uniforms = torch.rand(n_new, batch, generator=generator, device=dev)  # one draw per row and step
+    if uniforms is None:
+        uniforms = draw_uniforms(params, batch, generator)
+    uniforms = uniforms.to(dev)
     for t in range(n_new):
         tok, logp[:, t] = _draw(logits, params, uniforms[t])
         ids[:, t] = tok
@@ -105,3 +115,22 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     mask = (is_stop.cumsum(1) - is_stop.long()) == 0  # no stop token strictly before t
     return Samples(ids.masked_fill(~mask, params.pad_id), mask.float(), logp * mask, ~alive,
                    None if hiddens is None else hiddens[:, :t + 1])
+
+
+def concat_samples(parts: list[Samples], pad_id: int) -> Samples:
+    """Samples of consecutive row ranges as one batch, right-padded to the longest part's length."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def cat(name: str, fill) -> torch.Tensor:
+        pads = []
+        for p in parts:
+            x = getattr(p, name)
+            extra = width - x.shape[1]
+            pads.append(torch.cat([x, x.new_full((x.shape[0], extra, *x.shape[2:]), fill)], 1) if extra else x)
+        return torch.cat(pads)
+
+    hidden = None if parts[0].hidden is None else cat("hidden", 0)
+    return Samples(cat("response_ids", pad_id), cat("response_mask", 0), cat("logp", 0),
+                   torch.cat([p.finished for p in parts]), hidden)

@@ -32,13 +32,16 @@ from ppoforge.core.stats import masked_mean
 from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.rollout import Rollout, advantages, left_pad, token_rewards
-from ppoforge.lm.sampler import Samples, SamplingParams, sample
+from ppoforge.lm.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
 from ppoforge.lm.scoring import RolloutScoring
 from ppoforge.lm.setup import Components, build_components
-from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state
+from ppoforge.runtime import trust
+from ppoforge.runtime.checkpoint import load_checkpoint, resume_from, rng_state, seed_everything, set_rng_state
 from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.oom import halve, is_oom
 from ppoforge.runtime.progress import Progress
-from ppoforge.runtime.signals import StopFlag
+from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.timeouts import call_with_timeout
 
 CHECKPOINT = "checkpoint.pt"
 TABLE_ROWS = 8  # completions shown in TensorBoard per logging step (all of them go to completions.jsonl)
@@ -78,16 +81,25 @@ class RLHFTrainer:
         self.update = 0   # completed updates
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
         self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
+        self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
+        self.lr_scale = 1.0  # lowered by each non-finite rollback
+        self.micro_batch, self.gen_batch = cfg.micro_batch_size, cfg.batch_size  # halved on out-of-memory
+        self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
+        self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train rlhf --resume {self.run_dir}")
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"trainable": {n: p.detach().clone() for n, p in self.layout.named_trainable()},
                 "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict(),
                 "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_state(), "generator": self.gen.get_state(),
-                "update": self.update, "cursor": self.cursor, "config": config_to_dict(self.cfg)}
+                "update": self.update, "cursor": self.cursor, "config": config_to_dict(self.cfg),
+                **self.light_state()}
 
-    def save(self) -> None:
-        save_checkpoint(self.run_dir / CHECKPOINT, self.state_dict())
+    def light_state(self) -> dict:
+        """What an update changes besides the weights and the optimizer (see RunGuard)."""
+        return {"rng": rng_state(), "generator": self.gen.get_state(), "kl_ctl": self.kl_ctl.state_dict(),
+                "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
+                "lr_scale": self.lr_scale}
 
     def load(self, state: dict) -> None:
         with torch.no_grad():
@@ -99,6 +111,17 @@ class RLHFTrainer:
         set_rng_state(state["rng"])
         self.gen.set_state(state["generator"])
         self.update, self.cursor = state["update"], state["cursor"]
+        self.guard.load_state_dict(state.get("guard", {}))
+        self.lr_scale = state.get("lr_scale", 1.0)
+
+    def rollback(self) -> None:
+        """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
+        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        self.load(load_checkpoint(self.run_dir / CHECKPOINT, map_location="cpu"))
+        self.guard.counts.update(counts)
+        self.lr_scale = scale
+        for name in ("metrics.jsonl", "completions.jsonl"):  # the steps after it are run again
+            truncate_metrics(self.run_dir / name, self.update)
 
     # ---- data ---------------------------------------------------------------------------------------
     def next_prompts(self) -> list[int]:
@@ -114,10 +137,23 @@ class RLHFTrainer:
     # ---- rollout ------------------------------------------------------------------------------------
     def generate(self, token_rows: list[list[int]], generator: torch.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor, Samples]:
-        """Left-pad the prompts and sample; returns (prompt + response ids, prompt mask, samples)."""
+        """Left-pad the prompts and sample, `gen_batch` rows at a time (halved on out-of-memory; each row
+        draws its own pre-drawn uniforms, so the split changes no draw); returns (prompt + response ids,
+        prompt mask, samples)."""
         prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.parts.device)
-        with self.layout.decoder() as decoder, self.precision.autocast():
-            samples = sample(decoder, prompt_ids, prompt_mask, self.sampling, generator)
+        uniforms = draw_uniforms(self.sampling, prompt_ids.shape[0], generator)
+        while True:
+            try:
+                with self.layout.decoder() as decoder, self.precision.autocast():
+                    parts = [sample(decoder, prompt_ids[s:s + self.gen_batch], prompt_mask[s:s + self.gen_batch],
+                                    self.sampling, uniforms=uniforms[:, s:s + self.gen_batch])
+                             for s in range(0, prompt_ids.shape[0], self.gen_batch)]
+                break
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self.gen_batch = halve(self.gen_batch, "generation batch", e)
+        samples = concat_samples(parts, self.sampling.pad_id)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
     def completions(self, samples: Samples) -> list[str]:
@@ -126,9 +162,12 @@ class RLHFTrainer:
                                                                       strict=True)], skip_special_tokens=True)
 
     def score(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
+        """The reward's scores (B,), under `call_timeout`; not yet checked for finiteness (the guard does)."""
         prompts = [r[self.cfg.prompt_field] for r in rows]
         with torch.inference_mode(), self.precision.autocast():
-            return self.parts.score(prompts, texts, samples.finished.tolist(), rows).to(self.parts.device)
+            scores = call_with_timeout(lambda: self.parts.score(prompts, texts, samples.finished.tolist(), rows),
+                                       self.cfg.call_timeout, f"reward {self.cfg.reward}")
+        return scores.to(self.parts.device)
 
     def policy_attention(self) -> str:
         return getattr(self.layout.policy_model.config, "_attn_implementation", "?")
@@ -144,45 +183,59 @@ class RLHFTrainer:
 
     # ---- update -------------------------------------------------------------------------------------
     def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
-        """ppo_epochs x shuffled mini-batches x accumulated micro-batches; token-weighted mean stats."""
+        """ppo_epochs x shuffled mini-batches x accumulated micro-batches; token-weighted mean stats.
+        A step whose loss or gradient norm is not finite is skipped (the guard counts it)."""
         cfg = self.cfg
         totals, n_mini = torch.zeros(len(STAT_KEYS), device=b.resp.device), 0
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(b.resp.shape[0], generator=self.gen, device=self.gen.device).to(b.resp.device)
             for mb in order.split(cfg.mini_batch_size):
-                mb_tokens = b.resp_mask[mb].sum()
-                self.optimizer.zero_grad(set_to_none=True)
-                with self.precision.weight_cache():
-                    self._accumulate(b, mb, mb_tokens, totals)
-                self.precision.step(self.optimizer, self.params, cfg.max_grad_norm)
-                n_mini += 1
-        return dict(zip(STAT_KEYS, totals / n_mini, strict=True))
+                stats = self._mini_batch_gradients(b, mb)
+                norm = self.precision.clip(self.optimizer, self.params, cfg.max_grad_norm)
+                ok = self.guard.step_ok(stats[0] + cfg.vf_coef * stats[1], norm, self.precision.scaler is not None)
+                self.optimizing = True
+                self.precision.apply(self.optimizer, skip=not ok)
+                totals += stats if ok else 0
+                n_mini += ok
+        return dict(zip(STAT_KEYS, totals / max(n_mini, 1), strict=True))
 
-    def _accumulate(self, b: Rollout, mb: torch.Tensor, mb_tokens: torch.Tensor, totals: torch.Tensor) -> None:
-        """Forward/backward of mini-batch rows `mb` in micro-batches; adds token-weighted stats to totals."""
-        cfg, n_resp = self.cfg, b.resp.shape[1]
-        for micro in mb.split(cfg.micro_batch_size):
-            m = b.resp_mask[micro]
-            with self.precision.autocast():
-                hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
-                logits = self.layout.logits(hidden)
-            with self.precision.full_precision():
-                logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
-                pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
-                v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
-                ent = masked_mean(entropy, m)
-                share = token_share(m, mb_tokens)  # the accumulated gradient is the mini-batch token mean
-                loss = pg_loss + cfg.vf_coef * v_loss
-                if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
-                    loss = loss - cfg.ent_coef * ent
-                self.precision.backward(loss * share)
-            totals += share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(),
-                                           pg["approx_kl"], pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
+    def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor) -> torch.Tensor:
+        """The mini-batch's gradients in .grad, accumulated over micro-batches of `micro_batch` rows (halved
+        and redone on out-of-memory: the token shares keep the sum the same); its token-weighted stats."""
+        mb_tokens = b.resp_mask[mb].sum()
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                with self.precision.weight_cache():
+                    return sum(self._micro_batch(b, micro, mb_tokens) for micro in mb.split(self.micro_batch))
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self.micro_batch = halve(self.micro_batch, "micro-batch", e)
+
+    def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward/backward of rows `micro`, its loss weighted by its token share; its weighted stats."""
+        cfg, n_resp, m = self.cfg, b.resp.shape[1], b.resp_mask[micro]
+        with self.precision.autocast():
+            hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
+            logits = self.layout.logits(hidden)
+        with self.precision.full_precision():
+            logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
+            pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
+            v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
+            ent = masked_mean(entropy, m)
+            share = token_share(m, mb_tokens)  # the accumulated gradient is the mini-batch token mean
+            loss = pg_loss + cfg.vf_coef * v_loss
+            if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
+                loss = loss - cfg.ent_coef * ent
+            self.precision.backward(loss * share)
+        return share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg["approx_kl"],
+                                    pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
 
     def train_one_update(self) -> tuple[dict, list[dict]]:
         """One PPO update; returns its metrics and the completion rows for the table."""
         cfg, start = self.cfg, time.perf_counter()
-        lr = cfg.learning_rate * (1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else cfg.learning_rate
+        lr = cfg.learning_rate * self.lr_scale * ((1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # 1. prompts -> responses (eval mode, no grad, KV cache)
@@ -192,7 +245,7 @@ class RLHFTrainer:
         gen_s = time.perf_counter() - start
         # 2. score: reward on the decoded text; reference log-probs (and what the sampler lacks) in a pass
         texts = self.completions(samples)
-        scores = self.score(rows, texts, samples)
+        finite, scores = self.guard.rewards_ok(self.score(rows, texts, samples), cfg.reward_clip)
         mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
         b = self.logprobs_and_values(ids, mask, samples, scores).detached()
         # 3. per-token rewards (-beta * KL, score at the last token) -> GAE -> whitened advantages
@@ -200,8 +253,8 @@ class RLHFTrainer:
         kl = kl_penalty(b.logp, b.ref_logp, cfg.kl_estimator) * b.resp_mask
         rewards, non_score = token_rewards(b.scores, kl, b.resp_mask, beta)
         b.adv, b.ret = advantages(rewards, b.values, b.resp_mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
-        # 4. PPO epochs over the rollout
-        stats = self.ppo_update(b)
+        # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
+        stats = self.ppo_update(b) if finite else dict.fromkeys(STAT_KEYS, torch.tensor(float("nan")))
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = kl.sum(1).mean()
         self.kl_ctl.update(float(seq_kl), cfg.batch_size)
@@ -214,7 +267,9 @@ class RLHFTrainer:
                      "objective/response_length": b.resp_mask.sum(1).mean()}
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed = time.perf_counter() - start
-        metrics.update({"objective/kl_coef": beta, "lr": lr, "episode": self.update * cfg.batch_size,
+        metrics.update({**self.guard.counts, "guard/micro_batch_size": self.micro_batch,
+                        "guard/generation_batch_size": self.gen_batch,
+                        "objective/kl_coef": beta, "lr": lr, "episode": self.update * cfg.batch_size,
                         "perf/samples_per_s": cfg.batch_size / elapsed,
                         "perf/tokens_per_s": metrics["objective/response_length"] * cfg.batch_size / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed})
@@ -246,24 +301,29 @@ class RLHFTrainer:
     def run(self) -> TrainResult:
         cfg = self.cfg
         save_config(cfg, self.run_dir / "config.yaml")
+        if self.update == 0:
+            trust.record(self.run_dir, cfg)
         for name in ("metrics.jsonl", "completions.jsonl"):
             truncate_metrics(self.run_dir / name, self.update)
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
         progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress, unit="update")
-        metrics: dict = {}
+        last: dict = {}
+
+        def after_update(result) -> None:
+            metrics, table = result
+            last.update(metrics)
+            if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
+                logger.log(self.update, metrics)
+                self._log_table(logger, "train", table)
+            progress.advance(1, score=metrics["objective/scores"], kl=metrics["objective/kl"])
+
         try:
             if self.update == 0:
                 self._log_heldout(logger)
-            with StopFlag() as stop:
-                while self.update < cfg.total_updates and not stop:
-                    metrics, table = self.train_one_update()
-                    if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
-                        logger.log(self.update, metrics)
-                        self._log_table(logger, "train", table)
-                    progress.advance(1, score=metrics["objective/scores"], kl=metrics["objective/kl"])
-                    if self.update % cfg.checkpoint_every == 0 or self.update == cfg.total_updates or stop:
-                        self.save()
-            if self.update == cfg.total_updates and not stop:
+                if cfg.nonfinite_action == "rollback":
+                    self.run_guard.save()  # a rollback needs a checkpoint to go back to
+            stopped = train_loop(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every, after_update)
+            if self.update == cfg.total_updates and not stopped:
                 self._log_heldout(logger)
                 self.layout.export(self.run_dir / "policy")
                 self.tokenizer.save_pretrained(self.run_dir / "policy")
@@ -272,7 +332,7 @@ class RLHFTrainer:
             logger.close()
         plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
                     "eval/scores"], self.run_dir / "reward_kl.png", title=f"PPO {cfg.layout}: {cfg.model}")
-        return TrainResult(self.run_dir, self.update, self.update * cfg.batch_size, metrics, stop.signal_name)
+        return TrainResult(self.run_dir, self.update, self.update * cfg.batch_size, last, stopped)
 
     def _log_heldout(self, logger: MetricsLogger) -> None:
         result = self.heldout_scores()
@@ -299,5 +359,5 @@ def train(cfg: RLHFConfig, run_dir: Path, resume: bool = False, reward_fn=None) 
     trainer = RLHFTrainer(cfg, run_dir, reward_fn)
     if resume:
         # on CPU: generator states must be CPU tensors; optimizer state moves to its params' device itself
-        trainer.load(load_checkpoint(Path(run_dir) / CHECKPOINT, map_location="cpu"))
+        resume_from(trainer, Path(run_dir) / CHECKPOINT)
     return trainer.run()

@@ -1,43 +1,22 @@
 """Atomic checkpoints and exact RNG capture.
 
 A checkpoint is written to a temporary file in the same directory, fsynced, then renamed over the
-target and the directory fsynced: a crash at any moment leaves either the old file or the new one,
-never half of one. Everything inside is plain tensors, numbers, strings, lists and dicts, so it loads
-with `torch.load(weights_only=True)` — the default since torch 2.6 that broke many trainers' resume.
+target and the directory fsynced (`rundir.atomic_write_bytes`): a crash or a full disk at any
+moment leaves either the old file or the new one, never half of one. Everything inside is plain
+tensors, numbers, strings, lists and dicts, so it loads with `torch.load(weights_only=True)` — the
+default since torch 2.6 that broke many trainers' resume.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ppoforge.errors import UserError
-
-
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call `write(fileobj)` on a temp file beside `path`, then atomically move it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+from ppoforge.runtime.rundir import atomic_write_bytes
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -82,3 +61,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def resume_from(trainer, path: Path) -> None:
+    """Load `path` into `trainer` (its `load(state)`), or a one-line UserError when the checkpoint does
+    not fit the run (another model, layout or size than the config says: a run dir edited by hand)."""
+    state = load_checkpoint(path, map_location="cpu")
+    try:
+        trainer.load(state)
+    except (KeyError, RuntimeError, ValueError, IndexError) as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"resume: {path} does not fit this run's config ({type(e).__name__}: {first}); allowed: "
+                        "the checkpoint of the run dir's own config.yaml") from None
+    trainer.run_guard.saved_update = trainer.update

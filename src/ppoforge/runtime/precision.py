@@ -62,19 +62,27 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params, max_grad_norm: float | None) -> torch.Tensor:
-        """Unscale (fp16), clip the global grad norm, step, update the scaler. Returns the pre-clip norm."""
+    def clip(self, optimizer: torch.optim.Optimizer, params, max_grad_norm: float | None) -> torch.Tensor:
+        """Unscale (fp16) and clip the global grad norm; returns the pre-clip norm (a tensor, no sync)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
-        if max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
-        else:
-            norm = torch.zeros(())
+        if max_grad_norm is None:
+            return torch.zeros(())
+        return torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+
+    def apply(self, optimizer: torch.optim.Optimizer, skip: bool = False) -> None:
+        """The optimizer step (the scaler's, under fp16), or none with `skip` (the guard refused it)."""
         if self.scaler:
-            self.scaler.step(optimizer)
+            if not skip:
+                self.scaler.step(optimizer)
             self.scaler.update()
-        else:
+        elif not skip:
             optimizer.step()
+
+    def step(self, optimizer: torch.optim.Optimizer, params, max_grad_norm: float | None) -> torch.Tensor:
+        """Unscale (fp16), clip the global grad norm, step, update the scaler. Returns the pre-clip norm."""
+        norm = self.clip(optimizer, params, max_grad_norm)
+        self.apply(optimizer)
         return norm
 
     def state_dict(self) -> dict:

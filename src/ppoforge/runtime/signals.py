@@ -1,13 +1,18 @@
 """SIGINT/SIGTERM become a flag the training loop checks between updates.
 
 The trainer then saves a checkpoint and exits 0, so a preempted job resumes instead of losing work.
-A second signal while stopping restores the default handler behaviour (an immediate interrupt).
+Inside a call into user code that may hang (`timeouts.call_with_timeout`: reward functions,
+environments) the handler raises `StopRequested` instead, so a stop never waits for a call that does
+not return; the trainer then saves the last completed update. A second signal while stopping
+restores the default behaviour (an immediate interrupt).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+
+from ppoforge.runtime.timeouts import StopRequested, inside_interruptible_call
 
 
 class StopFlag:
@@ -24,6 +29,8 @@ class StopFlag:
         if self.signal_name is not None:  # second signal: give up on the graceful path
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
+        if inside_interruptible_call():
+            raise StopRequested(self.signal_name)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,38 @@
+"""Out-of-memory in a micro-batch or a generation batch: halve it and go on, with the same math.
+
+The trainers split work whose result does not depend on the split — accumulated micro-batches
+(weighted by their token shares, `core/accumulation.py`) and generation (each row draws its own
+pre-drawn uniforms) — so on an OOM they can redo the step in halves instead of dying. `is_oom`
+recognises CUDA's `OutOfMemoryError` and the CPU allocator's "can't allocate memory"; `halve` frees
+what the failed attempt held and returns the smaller size, or raises a Fault when one row does not fit.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+
+from ppoforge.errors import Fault
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def halve(size: int, what: str, e: BaseException) -> int:
+    """The next size to try after an OOM at `size` (said once on stderr); Fault when `size` is 1."""
+    if size <= 1:
+        raise Fault(f"out of memory with {what} 1 ({str(e).splitlines()[0][:120]}); allowed: a smaller model, "
+                    "shorter sequences or a device with more memory")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    smaller = size // 2
+    print(f"ppoforge: out of memory at {what} {size}: continuing with {smaller} (the same math, more steps)",
+          file=sys.stderr)
+    return smaller

@@ -1,0 +1,199 @@
+"""What every trainer shares so that a failing run loses nothing and a sick one does not train silently.
+
+- `FaultConfig`: the fields every trainer config inherits (non-finite guard, call time limits).
+- `RunGuard.update()`: a context around one update. It keeps a resume point taken at the update's
+  start; when anything raises inside the update, it writes a checkpoint of the last completed update
+  before the exception leaves, so `--resume` continues from there. A full in-memory copy of the state
+  is kept when it is small (LoRA adapters, control nets: well under `SNAPSHOT_LIMIT`); for a large
+  state only the light part (RNGs, data cursor, counters) is kept, which is enough while the update
+  has not yet stepped the optimizer (sampling, rewards, environments: where user code fails). A
+  failure after that keeps the last periodic checkpoint, and the message says which update it holds.
+- `NonFiniteGuard`: an optimizer step whose loss or gradient norm is not finite is skipped (and an
+  update whose rewards are not all finite is skipped whole), counted in `guard/*` metrics; after
+  `nonfinite_patience` bad ones in a row the run stops with one line, or with `nonfinite_action:
+  rollback` reloads the last checkpoint, scales the learning rate by `rollback_lr_factor` and goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ppoforge.config import param
+from ppoforge.errors import Fault, UserError
+from ppoforge.runtime.checkpoint import save_checkpoint
+from ppoforge.runtime.timeouts import StopRequested
+
+SNAPSHOT_LIMIT = 512 * 2**20  # bytes of state copied in memory at every update's start
+
+
+@dataclass
+class FaultConfig:
+    """Fields shared by every trainer's config (declared once here)."""
+
+    nonfinite_patience: int = param(3, "optimizer steps in a row with a non-finite loss or gradient norm (or "
+                                    "updates with a non-finite reward) that the guard skips before it acts",
+                                    lo=1, hi=10_000, resume=True)
+    nonfinite_action: str = param("stop", "then: stop (keep the last checkpoint, one line, exit 1) or rollback "
+                                  "(reload the last checkpoint, scale the learning rate, go on)",
+                                  choices=("stop", "rollback"), resume=True)
+    rollback_lr_factor: float = param(0.5, "rollback: multiply the learning rate by this", gt=0, hi=1.0,
+                                      resume=True)
+    call_timeout: float = param(600.0, "seconds one call into user code (a reward function, an environment "
+                                "step) may take; then the run checkpoints and stops (exit 1)", gt=0, hi=1e6,
+                                resume=True)
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def nbytes(value) -> int:
+    """Bytes of the tensors inside a nested state (dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 0
+
+
+class Rollback(Exception):
+    """Raised by the guard when `nonfinite_action` is rollback: reload the last checkpoint."""
+
+
+class NonFiniteGuard:
+    def __init__(self, patience: int, action: str):
+        self.patience, self.action = patience, action
+        self.streak = 0
+        self.counts = {"guard/skipped_steps": 0, "guard/skipped_updates": 0, "guard/nonfinite_rewards": 0,
+                       "guard/rewards_clipped": 0, "guard/rollbacks": 0}
+
+    def _bad(self, what: str) -> None:
+        self.streak += 1
+        if self.streak < self.patience:
+            return
+        self.streak = 0
+        if self.action == "rollback":
+            self.counts["guard/rollbacks"] += 1
+            raise Rollback(what)
+        raise Fault(f"{what}, {self.patience} times in a row (nonfinite_patience): stopped; allowed: a smaller "
+                    "learning rate, a finite reward, or nonfinite_action: rollback")
+
+    def step_ok(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float, scaled: bool = False) -> bool:
+        """May the optimizer step? Not when the loss, or (unless a GradScaler handles it) the gradient
+        norm, is NaN or infinite. One host sync for both numbers."""
+        if isinstance(loss, torch.Tensor) or isinstance(grad_norm, torch.Tensor):
+            both = torch.stack([torch.as_tensor(x, dtype=torch.float32).reshape(()).cpu() for x in (loss, grad_norm)])
+            loss, grad_norm = both.tolist()
+        if math.isfinite(loss) and (scaled or math.isfinite(grad_norm)):
+            self.streak = 0
+            return True
+        self.counts["guard/skipped_steps"] += 1
+        self._bad(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'}")
+        return False
+
+    def rewards_ok(self, rewards: torch.Tensor, clip: float | None) -> tuple[bool, torch.Tensor]:
+        """(train on this batch?, rewards clipped to +-clip). Any non-finite reward skips the update."""
+        bad = ~torch.isfinite(rewards)
+        if bad.any():
+            self.counts["guard/nonfinite_rewards"] += int(bad.sum())
+            self.counts["guard/skipped_updates"] += 1
+            self._bad(f"non-finite rewards ({int(bad.sum())} of {rewards.numel()})")
+            return False, rewards
+        if clip is not None:
+            self.counts["guard/rewards_clipped"] += int((rewards.abs() > clip).sum())
+            rewards = rewards.clamp(-clip, clip)
+        return True, rewards
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts.update(state.get("counts", {}))
+
+
+class RunGuard:
+    """Checkpoint-on-failure around each update of `trainer`, which provides `state_dict()`,
+    `light_state()`, `update` (completed updates) and `optimizing` (True once its update has stepped the
+    optimizer). `resume_hint` is the command that continues the run."""
+
+    def __init__(self, trainer, path: Path, resume_hint: str):
+        self.trainer, self.path, self.resume_hint = trainer, Path(path), resume_hint
+        self.full = nbytes(trainer.state_dict()) <= SNAPSHOT_LIMIT
+        self.saved_update: int | None = None  # the update the newest checkpoint on disk holds
+
+    def save(self, state: dict | None = None) -> None:
+        state = self.trainer.state_dict() if state is None else state
+        save_checkpoint(self.path, state)
+        self.saved_update = state["update"]
+
+    @contextlib.contextmanager
+    def update(self):
+        point = _clone(self.trainer.state_dict() if self.full else self.trainer.light_state())
+        self.trainer.optimizing = False
+        try:
+            yield
+        except Rollback:  # back to the checkpoint on disk: the state in memory is not worth saving
+            raise
+        except StopRequested:
+            self._save_point(point)
+            raise
+        except BaseException as e:
+            saved = self._save_point(point)
+            raise _with_resume_note(e, saved, self.resume_hint) from None
+
+    def _save_point(self, point: dict) -> int | None:
+        """Checkpoint the state as of the failing update's start, where that state is known."""
+        if not self.full and self.trainer.optimizing:
+            return self.saved_update  # the optimizer already moved a state too large to copy
+        state = point if self.full else {**self.trainer.state_dict(), **point}
+        try:
+            self.save(state)
+        except OSError:  # the disk that failed the update may fail this too: the older checkpoint stays
+            return self.saved_update
+        return state["update"]
+
+
+def _with_resume_note(e: BaseException, saved: int | None, hint: str) -> BaseException:
+    """The same failure, one line, saying what the run kept (the CLI prints it; exit 2 or 1 as before)."""
+    from ppoforge.errors import classify
+
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return e
+    code, line = classify(e)
+    kept = (f"; checkpoint at update {saved}: continue with {hint}" if saved is not None
+            else "; no checkpoint was written yet")
+    return (UserError if code == 2 else Fault)(line + kept)
+
+
+def train_loop(trainer, guard: RunGuard, total: int, checkpoint_every: int, after_update) -> str | None:
+    """Run `trainer.train_one_update()` until `trainer.update == total` or a stop signal; returns the
+    signal's name, or None. Each update — its logging (`after_update(result)`) and checkpoint included —
+    runs inside `guard.update()`, so a failure anywhere in it leaves the last completed update on disk.
+    A `Rollback` from the non-finite guard calls `trainer.rollback()` and goes on."""
+    from ppoforge.runtime.signals import StopFlag
+
+    with StopFlag() as stop:
+        while trainer.update < total and not stop:
+            try:
+                with guard.update():
+                    after_update(trainer.train_one_update())
+                    if trainer.update % checkpoint_every == 0 or trainer.update == total or stop:
+                        guard.save()
+            except Rollback:
+                trainer.rollback()
+            except StopRequested:  # a stop inside a user call: the last completed update is saved
+                break
+    return stop.signal_name
