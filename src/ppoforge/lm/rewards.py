@@ -10,8 +10,10 @@ when the completion ended with a stop token rather than hitting the length limit
 column of the prompt rows as a list, so a function takes `**kwargs` to ignore what it does not need.
 
 `score` is the one place a reward's output is checked: a reward that raises, or returns anything but
-one finite number per completion, is a `UserError` naming the reward — exit code 2, no traceback —
-because a NaN reward silently poisons every advantage in the batch.
+one real number per completion, is a `UserError` naming the reward — exit code 2, no traceback. NaN
+and infinity are numbers, but they would silently poison every advantage in the batch: the trainer's
+non-finite guard skips such an update, counts it and stops after `nonfinite_patience` of them in a row
+(`runtime/resilience.py`).
 """
 
 from __future__ import annotations
@@ -166,14 +168,14 @@ def _checked(fn: RewardFn, name: str, prompts: list[str], completions: list[str]
     except Exception as e:  # noqa: BLE001 - user code: any exception is the user's to fix
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"reward {name} raised {type(e).__name__}: {msg}") from None
-    allowed = f"allowed: a list of {len(completions)} finite numbers, one per completion"
+    allowed = f"allowed: a list of {len(completions)} numbers, one per completion"
     if not isinstance(out, (list, tuple)):
         raise UserError(f"reward {name} returned {_describe(out)}; {allowed}")
     if len(out) != len(completions):
         raise UserError(f"reward {name} returned {len(out)} values for {len(completions)} completions; "
                         f"{allowed}")
     for i, v in enumerate(out):
-        if not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if not isinstance(v, numbers.Real):
             raise UserError(f"reward {name} returned {_describe(v)} at index {i}; {allowed}")
     return [float(v) for v in out]
 
