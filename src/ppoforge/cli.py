@@ -6,6 +6,7 @@
   ppoforge demo
   ppoforge train rlhf --preset demo --total-updates 40
   ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
+  ppoforge notebook --port 8888
 
 Every failure ends in one line on stderr: bad input exit code 2, a fault of the environment exit code
 1 (see errors.py); `--debug` (anywhere on the line) or PPOFORGE_DEBUG=1 shows the traceback instead.
@@ -125,6 +126,16 @@ def _cmd_doctor(args) -> int:
     return main(opts, as_json=args.json)
 
 
+def _cmd_notebook(args) -> int:
+    from ppoforge.notebook import NotebookOptions, launch
+
+    extra = args.jupyter_args[1:] if args.jupyter_args[:1] == ["--"] else args.jupyter_args
+    launch(NotebookOptions(ip=args.ip, port=args.port, root_dir=args.root_dir, token_file=args.token_file,
+                           password_hash=args.password_hash, allow_origin=args.allow_origin,
+                           allow_root=args.allow_root, extra=extra))
+    return 0  # not reached: launch() execs jupyter
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -192,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
                      f"{', '.join(CAPABILITY_KEYS)}, all or none (default: {','.join(DEFAULT_REQUIRE)})")
     doc.add_argument("--runs-root", default="runs", help="the runs/checkpoint dir to check (default: runs)")
     doc.set_defaults(func=_cmd_doctor)
+
+    nb = sub.add_parser("notebook", help="JupyterLab with authentication always on, on 127.0.0.1 by default")
+    nb.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 warns)")
+    nb.add_argument("--port", type=int, default=8888, help="port (default 8888)")
+    nb.add_argument("--root-dir", default=".", help="folder the notebook browser starts in (default: .)")
+    nb.add_argument("--token-file", help="file holding the token (default: $PPOFORGE_NOTEBOOK_TOKEN_FILE, "
+                    "$PPOFORGE_NOTEBOOK_TOKEN, else a new random token printed once)")
+    nb.add_argument("--password-hash", help="argon2 hash for password login instead of a token (default: "
+                    "$PPOFORGE_NOTEBOOK_PASSWORD_HASH)")
+    nb.add_argument("--allow-origin", default="", help="one exact origin allowed to call the API (never '*')")
+    nb.add_argument("--allow-root", action="store_true", help="allow running as root (prints a warning)")
+    nb.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="after --: more jupyter lab options")
+    nb.set_defaults(func=_cmd_notebook)
     return parser
 
 
