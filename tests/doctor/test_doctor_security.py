@@ -6,6 +6,7 @@ import os
 from ppoforge.doctor.security import (
     check_jupyter,
     check_root,
+    parse_cmdline,
     parse_config_py,
     read_configs,
     read_servers,
@@ -72,3 +73,69 @@ def test_no_jupyter_is_a_skip():
 def test_runtime_dirs_follow_the_env(tmp_path):
     dirs = runtime_dirs({"JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}, tmp_path)
     assert dirs[0] == tmp_path / "rt" and tmp_path / ".local" / "share" / "jupyter" / "runtime" in dirs
+
+
+def _process_with_argv(*argv):
+    """A live process whose /proc/PID/cmdline carries `argv`, standing in for a jupyter server."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
+
+
+def test_parse_cmdline_reads_the_flags_that_open_a_server():
+    found = parse_cmdline(["python", "-m", "jupyterlab", "--ServerApp.allow_origin=*", "--ip", "0.0.0.0",
+                           "--ServerApp.disable_check_xsrf", "--no-browser",
+                           "--PasswordIdentityProvider.hashed_password=argon2:x"])
+    assert found == {"allow_origin": "*", "ip": "0.0.0.0", "disable_check_xsrf": "true", "password": "argon2:x"}
+
+
+def test_a_server_started_like_ppoforge_notebook_is_ok(tmp_path):
+    from ppoforge.notebook import NotebookOptions, plan
+
+    launch = plan(NotebookOptions(), env={}, euid=1000)
+    proc = _process_with_argv(*launch.argv[1:])
+    try:
+        _server(tmp_path, "jpserver-1.json", pid=proc.pid, hostname="127.0.0.1", token=launch.env["JUPYTER_TOKEN"],
+                password=False)
+        r = check_jupyter(read_servers([tmp_path]), [], "jupyter_server 2.21.1")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.status == "ok" and "127.0.0.1, token" in r.evidence and "XSRF" not in r.evidence
+
+
+def test_password_on_the_command_line_counts_although_the_runtime_file_says_none(tmp_path):
+    # jupyter_server 2 writes "password": false when the hash came as PasswordIdentityProvider.hashed_password
+    proc = _process_with_argv("--PasswordIdentityProvider.hashed_password=argon2:$argon2id$v=19$x")
+    try:
+        _server(tmp_path, "jpserver-1.json", pid=proc.pid, hostname="127.0.0.1", token="", password=False)
+        r = check_jupyter(read_servers([tmp_path]), [], "jupyter_server 2.21.1")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.status == "ok" and "127.0.0.1, password" in r.evidence
+
+
+def test_token_with_any_origin_or_xsrf_off_still_fails(tmp_path):
+    proc = _process_with_argv("--ServerApp.allow_origin=*", "--ServerApp.disable_check_xsrf=True")
+    try:
+        _server(tmp_path, "jpserver-1.json", pid=proc.pid, hostname="127.0.0.1", token="t" * 32, password=False)
+        r = check_jupyter(read_servers([tmp_path]), [], "jupyter_server 2.21.1")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.status == "fail" and "allow_origin '*'" in r.evidence and "XSRF checks disabled" in r.evidence
+    assert "web page" in r.evidence and "ppoforge notebook" in r.fix
+
+
+def test_configs_with_any_origin_or_xsrf_off_fail(tmp_path):
+    (tmp_path / "jupyter_server_config.py").write_text(
+        "c.ServerApp.token = 'abcdefghijklmnopqrstuvwxyz'\nc.ServerApp.disable_check_xsrf = True\n")
+    r = check_jupyter([], read_configs(tmp_path, env={}), None)
+    assert r.status == "fail" and "XSRF checks disabled" in r.evidence
+    (tmp_path / "jupyter_server_config.py").unlink()
+    (tmp_path / "jupyter_server_config.json").write_text(json.dumps(
+        {"ServerApp": {"allow_origin": "*", "disable_check_xsrf": False}}))
+    r = check_jupyter([], read_configs(tmp_path, env={}), None)
+    assert r.status == "fail" and "allow_origin '*'" in r.evidence and "XSRF" not in r.evidence
