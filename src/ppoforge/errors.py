@@ -44,7 +44,14 @@ def describe_os_error(e: OSError) -> tuple[int, str]:
 
 
 def classify(e: BaseException) -> tuple[int, str]:
-    """(exit code, the one line to print) for an exception that reached the command line."""
+    """(exit code, the one line to print) for an exception that reached the command line; a trainer's
+    note of what it saved (`ppoforge_kept`, set by runtime/resilience.py) ends the line."""
+    code, line = _classify(e)
+    kept = getattr(e, "ppoforge_kept", None)
+    return code, f"{line}; {kept}" if kept else line
+
+
+def _classify(e: BaseException) -> tuple[int, str]:
     if isinstance(e, UserError):
         return EXIT_USER, str(e)
     if isinstance(e, Fault):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ppoforge.errors import UserError
+from ppoforge.errors import Fault, UserError
 
 RewardFn = Callable[..., list[float]]
 ALLOWED_SPECS = ("vader, length:N, format:REGEX, eos_penalty:X, model:PATH, "
@@ -163,7 +163,7 @@ def _checked(fn: RewardFn, name: str, prompts: list[str], completions: list[str]
     """Call `fn` and return its rewards as floats, or raise a one-line UserError naming `name`."""
     try:
         out = fn(prompts, completions, **kwargs)
-    except UserError:
+    except (UserError, Fault):  # ours (a nested reward's message, a time limit): already one line
         raise
     except Exception as e:  # noqa: BLE001 - user code: any exception is the user's to fix
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""

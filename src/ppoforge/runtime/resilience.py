@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ppoforge.config import param
-from ppoforge.errors import Fault, UserError
+from ppoforge.errors import Fault
 from ppoforge.runtime.checkpoint import save_checkpoint
 from ppoforge.runtime.timeouts import StopRequested
 
@@ -151,8 +151,9 @@ class RunGuard:
             self._save_point(point)
             raise
         except BaseException as e:
-            saved = self._save_point(point)
-            raise _with_resume_note(e, saved, self.resume_hint) from None
+            # the same exception goes on (its traceback intact for --debug), saying what the run kept
+            e.ppoforge_kept = resume_note(self._save_point(point), self.resume_hint)
+            raise
 
     def _save_point(self, point: dict) -> int | None:
         """Checkpoint the state as of the failing update's start, where that state is known."""
@@ -166,16 +167,11 @@ class RunGuard:
         return state["update"]
 
 
-def _with_resume_note(e: BaseException, saved: int | None, hint: str) -> BaseException:
-    """The same failure, one line, saying what the run kept (the CLI prints it; exit 2 or 1 as before)."""
-    from ppoforge.errors import classify
-
-    if isinstance(e, (KeyboardInterrupt, SystemExit)):
-        return e
-    code, line = classify(e)
-    kept = (f"; checkpoint at update {saved}: continue with {hint}" if saved is not None
-            else "; no checkpoint was written yet")
-    return (UserError if code == 2 else Fault)(line + kept)
+def resume_note(saved: int | None, hint: str) -> str:
+    """What a failed run kept, for the end of its one-line error (see errors.classify)."""
+    if saved is None:
+        return "no checkpoint was written yet"
+    return f"checkpoint at update {saved}: continue with {hint}"
 
 
 def train_loop(trainer, guard: RunGuard, total: int, checkpoint_every: int, after_update) -> str | None:

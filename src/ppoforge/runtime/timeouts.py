@@ -55,8 +55,8 @@ def call_with_timeout(fn, seconds: float | None, what: str):
         return fn()
 
     def expire(signum, frame):
-        raise CallTimeout(f"{what} did not return within {seconds:g} s (call_timeout); the run was "
-                          "checkpointed; allowed: a faster function, or a larger --call-timeout")
+        raise CallTimeout(f"{what} did not return within {seconds:g} s (call_timeout); allowed: a faster "
+                          "function, or a larger --call-timeout")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

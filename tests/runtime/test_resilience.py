@@ -1,0 +1,232 @@
+"""The shared fault mechanisms on their own: guard, run guard, timeouts, OOM halving, run dirs, trust."""
+
+import errno
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from ppoforge.errors import EXIT_FAULT, EXIT_USER, Fault, UserError, classify
+from ppoforge.runtime import rundir, trust
+from ppoforge.runtime.oom import halve, is_oom
+from ppoforge.runtime.resilience import NonFiniteGuard, Rollback, RunGuard, nbytes
+from ppoforge.runtime.signals import StopFlag
+from ppoforge.runtime.timeouts import CallTimeout, StopRequested, call_with_timeout
+
+# ---- non-finite guard ---------------------------------------------------------------------------
+
+
+def test_guard_skips_non_finite_steps_and_stops_after_patience():
+    guard = NonFiniteGuard(patience=3, action="stop")
+    assert guard.step_ok(torch.tensor(0.5), torch.tensor(2.0))
+    assert not guard.step_ok(torch.tensor(math.nan), torch.tensor(1.0))
+    assert not guard.step_ok(0.1, math.inf)
+    assert guard.step_ok(0.1, 0.3)  # a good step resets the streak
+    assert not guard.step_ok(math.nan, 0.0) and not guard.step_ok(math.nan, 0.0)
+    with pytest.raises(Fault, match=r"^non-finite loss, 3 times in a row \(nonfinite_patience\): stopped"):
+        guard.step_ok(math.nan, 0.0)
+    assert guard.counts["guard/skipped_steps"] == 5
+
+
+def test_guard_lets_a_grad_scaler_handle_infinite_gradients():
+    guard = NonFiniteGuard(patience=1, action="stop")
+    assert guard.step_ok(0.5, math.inf, scaled=True)  # fp16: the scaler skips the step and lowers its scale
+
+
+def test_guard_rollback_and_rewards():
+    guard = NonFiniteGuard(patience=2, action="rollback")
+    ok, rewards = guard.rewards_ok(torch.tensor([1.0, 250.0, -300.0]), clip=100.0)
+    assert ok and rewards.tolist() == [1.0, 100.0, -100.0] and guard.counts["guard/rewards_clipped"] == 2
+    ok, _ = guard.rewards_ok(torch.tensor([1.0, math.nan]), clip=100.0)
+    assert not ok and guard.counts["guard/nonfinite_rewards"] == 1 and guard.counts["guard/skipped_updates"] == 1
+    with pytest.raises(Rollback):
+        guard.rewards_ok(torch.tensor([math.inf]), clip=None)
+    assert guard.counts["guard/rollbacks"] == 1
+
+
+# ---- run guard ------------------------------------------------------------------------------------
+
+
+class _Trainer:
+    """The surface RunGuard needs: a weight, an RNG-like counter, the update count and `optimizing`."""
+
+    def __init__(self, weight_numel=4):
+        self.w, self.draws, self.update, self.optimizing = torch.zeros(weight_numel), 0, 0, False
+
+    def state_dict(self):
+        return {"w": self.w.clone(), **self.light_state()}
+
+    def light_state(self):
+        return {"draws": self.draws, "update": self.update}
+
+    def train_one_update(self, fail_at=None, phase="rollout"):
+        self.draws += 1  # sampling moved the RNG
+        if phase == "optimize":
+            self.optimizing = True
+            self.w += 1
+        if self.update + 1 == fail_at:
+            raise ValueError("boom")
+        self.w += 1 if phase == "rollout" else 0
+        self.update += 1
+
+
+@pytest.mark.parametrize("phase", ["rollout", "optimize"])
+@pytest.mark.parametrize("small", [True, False])
+def test_a_failing_update_leaves_the_last_completed_one_on_disk(tmp_path, phase, small, monkeypatch):
+    from ppoforge.runtime import resilience
+
+    if not small:
+        monkeypatch.setattr(resilience, "SNAPSHOT_LIMIT", 8)  # too big to copy: only the light state is kept
+    trainer = _Trainer()
+    guard = RunGuard(trainer, tmp_path / "ckpt.pt", "ppoforge train x --resume RUN")
+    assert guard.full == small
+    for _ in range(2):
+        with guard.update():
+            trainer.train_one_update(phase=phase)
+    guard.save()
+    with guard.update():
+        trainer.train_one_update(phase=phase)  # update 3 completes but is not saved
+    with pytest.raises(ValueError) as e, guard.update():
+        trainer.train_one_update(fail_at=4, phase=phase)
+    line = classify(e.value)[1]
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    if small or phase == "rollout":  # the state as update 4 started: update 3, its RNG position
+        assert saved["update"] == 3 and saved["draws"] == 3 and saved["w"].tolist() == [3.0] * 4
+        assert line.endswith("; checkpoint at update 3: continue with ppoforge train x --resume RUN")
+    else:  # a large state the optimizer already moved: the periodic checkpoint of update 2 stays
+        assert saved["update"] == 2
+        assert line.endswith("; checkpoint at update 2: continue with ppoforge train x --resume RUN")
+    assert line.startswith("internal error ValueError: boom")
+
+
+def test_a_failure_in_the_first_update_says_nothing_was_saved_when_the_disk_fails(tmp_path, monkeypatch):
+    from ppoforge.runtime import resilience
+
+    trainer = _Trainer()
+    guard = RunGuard(trainer, tmp_path / "ckpt.pt", "hint")
+
+    def full_disk(path, state):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(resilience, "save_checkpoint", full_disk)
+    with pytest.raises(ValueError) as e, guard.update():
+        trainer.train_one_update(fail_at=1)
+    assert classify(e.value)[1].endswith("; no checkpoint was written yet")
+
+
+def test_user_errors_stay_user_errors_through_the_guard(tmp_path):
+    trainer = _Trainer()
+    with pytest.raises(UserError) as e, RunGuard(trainer, tmp_path / "c.pt", "hint").update():
+        raise UserError("reward x raised ValueError: bad")
+    assert classify(e.value) == (EXIT_USER, "reward x raised ValueError: bad; checkpoint at update 0: continue with "
+                                            "hint")
+
+
+def test_nbytes():
+    assert nbytes({"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.float64), 7]}) == 12 + 16
+
+
+# ---- timeouts and signals -------------------------------------------------------------------------
+
+
+def test_a_call_past_its_limit_raises_and_a_quick_one_returns():
+    assert call_with_timeout(lambda: 7, 5.0, "reward r") == 7
+    start = time.monotonic()
+    with pytest.raises(CallTimeout, match=r"^reward r did not return within 0.3 s \(call_timeout\)"):
+        call_with_timeout(lambda: time.sleep(30), 0.3, "reward r")
+    assert time.monotonic() - start < 5
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the timer is off again
+
+
+def test_sigterm_inside_a_hung_call_unwinds_it_at_once():
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    start = time.monotonic()
+    with StopFlag() as stop, pytest.raises(StopRequested):
+        call_with_timeout(lambda: time.sleep(60), 600.0, "reward r")
+    assert stop.signal_name == "SIGTERM" and time.monotonic() - start < 5
+
+
+def test_sigterm_outside_a_call_only_sets_the_flag():
+    with StopFlag() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.signal_name == "SIGTERM"
+
+
+# ---- OOM ----------------------------------------------------------------------------------------
+
+
+def test_oom_is_recognised_and_halved():
+    assert is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory"))
+    assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
+    assert halve(8, "micro-batch", RuntimeError("x")) == 4
+    with pytest.raises(Fault, match=r"^out of memory with micro-batch 1"):
+        halve(1, "micro-batch", RuntimeError("x"))
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+def test_classify():
+    assert classify(UserError("x")) == (EXIT_USER, "x")
+    assert classify(Fault("y")) == (EXIT_FAULT, "y")
+    code, line = classify(OSError(errno.ENOSPC, "No space left on device", "/runs/a/checkpoint.pt"))
+    assert code == EXIT_FAULT and line.startswith("no space left writing /runs/a/checkpoint.pt")
+    code, line = classify(PermissionError(errno.EACCES, "Permission denied", "/runs"))
+    assert code == EXIT_USER and "allowed: a path this user can read and write" in line
+    code, line = classify(KeyError("k"))
+    assert code == EXIT_FAULT and line.startswith("internal error KeyError") and "--debug" in line
+
+
+# ---- run dirs and trust ---------------------------------------------------------------------------
+
+
+def test_a_used_run_dir_is_refused_unless_overwrite(tmp_path):
+    rundir.prepare_new_run_dir(tmp_path / "fresh", overwrite=False)  # missing or empty: fine
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"x")
+    (tmp_path / "run" / "tb").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"already holds a run \(checkpoint.pt, tb\); allowed: --resume"):
+        rundir.prepare_new_run_dir(tmp_path / "run", overwrite=False)
+    rundir.prepare_new_run_dir(tmp_path / "run", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]  # only what runs write
+
+
+def test_atomic_write_cleans_temps_of_an_interrupted_write(tmp_path):
+    target = tmp_path / "checkpoint.pt"
+    stale = tmp_path / ".checkpoint.pt.abc123.tmp"
+    stale.write_bytes(b"half of a checkpoint")
+    rundir.atomic_write_text(target, "new")
+    assert target.read_text() == "new" and not stale.exists()
+
+
+def test_code_fingerprints_gate_a_resume(tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myreward.py").write_text("def fn(p, c, **k):\n    return [0.0] * len(c)\n")
+
+    @dataclass
+    class Cfg:
+        reward: str = "vader, py:myreward:fn"
+        other: str = "plain"
+
+    cfg = Cfg()
+    assert trust.code_items(cfg) == ["myreward"]
+    trust.record(tmp_path, cfg)
+    recorded = json.loads((tmp_path / "code.json").read_text())
+    assert recorded["myreward"]["file"].endswith("myreward.py") and len(recorded["myreward"]["sha256"]) == 64
+    trust.check_resume(tmp_path, cfg, trusted=False)  # unchanged: fine
+    (tmp_path / "myreward.py").write_text("import os\ndef fn(p, c, **k):\n    return [1.0] * len(c)\n")
+    with pytest.raises(UserError, match=r"imports py:myreward .*when the run started: sha256 .*--trust-run-dir"):
+        trust.check_resume(tmp_path, cfg, trusted=False)
+    trust.check_resume(tmp_path, cfg, trusted=True)
+    assert trust.code_items(Cfg(reward="vader")) == []
+    assert trust.module_file("no.such.module") is None
