@@ -219,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Our progress bar and our one-line errors only: no per-load progress bars from transformers."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # control PPO needs no transformers
+        return
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("PPOFORGE_DEBUG") == "1"
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command in ("train", "demo"):
+            _quiet_libraries()
             from ppoforge.runtime.allocator import keep_freed_memory
 
             keep_freed_memory()  # process-wide, so here and not in a trainer (see runtime/allocator.py)
