@@ -113,8 +113,11 @@ def _cmd_eval(args) -> int:
 
 def _cmd_demo(args) -> int:
     from ppoforge.lm.demo import run_demo
+    from ppoforge.runtime.rundir import prepare_new_run_dir
 
-    run_demo(Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, "demo"), overrides_from_args(args))
+    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, "demo")
+    prepare_new_run_dir(run_dir, args.overwrite)
+    run_demo(run_dir, overrides_from_args(args))
     return 0
 
 
@@ -178,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline")
     demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo-<time>)")
     demo.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
+    demo.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
     add_config_arguments(demo, RLHFConfig)
     demo.set_defaults(func=_cmd_demo)
 
