@@ -459,3 +459,9 @@ def test_train_api_resume_after_failure_equals_uninterrupted(tmp_path, monkeypat
     resumed = train(cfg, tmp_path / "split", resume=True)
     assert resumed.updates == full.updates == 4
     assert _same(_weights(tmp_path / "split"), _weights(tmp_path / "full"))
+
+
+def test_sequences_longer_than_the_model_are_refused_before_training(capsys, tmp_path, tiny_model):
+    code, err = _cli(capsys, *_rlhf_args(tiny_model, tmp_path / "r", "length:3", "--max-new-tokens", "5000"))
+    assert code == 2 and "max_prompt_tokens 16 + max_new_tokens 5000 = 5016 positions, more than the model's" in err
+    assert not (tmp_path / "r" / "checkpoint.pt").exists()

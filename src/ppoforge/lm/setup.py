@@ -70,6 +70,16 @@ def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_to
     return out
 
 
+def check_sequence_fits(cfg: RLHFConfig, model_config) -> None:
+    """A prompt plus a response must fit the model's positions (RoPE tables, absolute embeddings)."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    need = cfg.max_prompt_tokens + cfg.max_new_tokens
+    if limit and need > limit:
+        raise UserError(f"max_new_tokens: max_prompt_tokens {cfg.max_prompt_tokens} + max_new_tokens "
+                        f"{cfg.max_new_tokens} = {need} positions, more than the model's {limit}; allowed: "
+                        f"a sum <= {limit}")
+
+
 def attention_for(choice: str, device: torch.device) -> str | None:
     """`attn_implementation` for from_pretrained: on CPU, `auto` is eager. For RLHF's short sequences
     (tens to hundreds of tokens) CPU SDPA's flash kernel, its backward above all, is slower than three
@@ -106,6 +116,7 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     attn = attention_for(cfg.attn_implementation, device)
     frozen_dtype = precision.dtype or torch.float32  # weights that never train: the reference, reward models
     layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
+    check_sequence_fits(cfg, layout.policy_model.config)
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
     rows = load_prompts(cfg.prompts, cfg.prompt_field)
     heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
