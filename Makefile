@@ -65,3 +65,11 @@ bench-rlhf: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache .ruff_cache
+
+# The container recipe built and run for real: podman builds a stand-in for the PyTorch 2.6 + CUDA 12.4
+# image (debootstrap + PyPI's torch 2.6.0), docker/Dockerfile on it, then runs the checks of
+# docker/test-container.sh. Installs podman, runc and debootstrap with apt when missing; caches wheels,
+# the rootfs and images in ~/.cache/ppoforge-container (PPOFORGE_CONTAINER_CACHE). See docs/container.md.
+.PHONY: test-container
+test-container: $(STAMP)
+	PYTHON=$(PY) bash docker/test-container.sh

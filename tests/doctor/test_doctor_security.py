@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 from ppoforge.doctor.security import (
     check_jupyter,
@@ -79,8 +80,15 @@ def _process_with_argv(*argv):
     """A live process whose /proc/PID/cmdline carries `argv`, standing in for a jupyter server."""
     import subprocess
     import sys
+    import time
 
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
+    deadline = time.monotonic() + 10
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    while argv and argv[-1].encode() not in cmdline.read_bytes():  # empty until the exec has finished
+        assert time.monotonic() < deadline, "the stand-in process never showed its command line"
+        time.sleep(0.01)
+    return proc
 
 
 def test_parse_cmdline_reads_the_flags_that_open_a_server():
