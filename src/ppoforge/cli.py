@@ -6,6 +6,8 @@
   ppoforge demo
   ppoforge train rlhf --preset demo --total-updates 40
   ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
+  ppoforge train sft --preset tiny --model PATH --data chats.jsonl
+  ppoforge train reward --preset tiny --model PATH --data pairs.jsonl
   ppoforge notebook --port 8888
 
 Every failure ends in one line on stderr: bad input exit code 2, a fault of the environment exit code
@@ -100,6 +102,30 @@ def _cmd_train_rlhf(args) -> int:
     return 0
 
 
+def _cmd_train_sft(args) -> int:
+    from ppoforge.lm.config import SFTConfig
+    from ppoforge.lm.sft import train
+
+    cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
+    result = train(cfg, run_dir, resume=bool(args.resume))
+    loss = result.get("eval/loss", result.get("train/loss", float("nan")))
+    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; "
+          f"model {run_dir / 'model'}")
+    return 0
+
+
+def _cmd_train_reward(args) -> int:
+    from ppoforge.lm.config import RewardConfig
+    from ppoforge.lm.reward_model import train
+
+    cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
+    result = train(cfg, run_dir, resume=bool(args.resume))
+    accuracy = result.get("eval/accuracy", float("nan"))
+    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
+          f"model {run_dir / 'model'}")
+    return 0
+
+
 def _cmd_eval(args) -> int:
     from ppoforge.control.evaluate import evaluate
 
@@ -169,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    from ppoforge.lm.config import RLHFConfig
+    from ppoforge.lm.config import RewardConfig, RLHFConfig, SFTConfig
 
     train = sub.add_parser("train", help="train a policy")
     train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)
@@ -177,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "<env>-s<seed>-<time>", _cmd_train_control)
     _add_train_parser(train_sub, "rlhf", RLHFConfig, "PPO RLHF of a causal LM against a reward",
                       "rlhf-<layout>-s<seed>-<time>", _cmd_train_rlhf)
+    _add_train_parser(train_sub, "sft", SFTConfig, "supervised fine-tuning of a causal LM (loss on completions)",
+                      "sft-<layout>-s<seed>-<time>", _cmd_train_sft)
+    _add_train_parser(train_sub, "reward", RewardConfig, "a reward model from preference pairs (Bradley-Terry)",
+                      "reward-<layout>-s<seed>-<time>", _cmd_train_reward)
 
     demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline")
     demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo-<time>)")

@@ -250,8 +250,9 @@ def test_absolute_position_reward_models_score_a_text_as_they_would_alone(tmp_pa
 
 def test_reward_model_renders_chat_template(tiny_reward_model_dir):
     scorer = RewardModelScorer(str(tiny_reward_model_dir))
-    assert scorer.texts(["Hi"], ["Hello!"]) == [
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"]
+    [ids] = scorer.input_ids(["Hi"], ["Hello!"])
+    assert scorer.tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+    assert scorer.input_ids(["Hi"], [""])  # a sampled completion may be empty
 
 
 def test_model_spec(tiny_reward_model_dir):

@@ -33,3 +33,23 @@ def as_attention_bias(allowed: torch.Tensor, model) -> torch.Tensor:
         return allowed
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
     return bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+
+def segment_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, L) segment ids (0 = padding, 1, 2, ... = the packed samples of a row) -> (B, 1, L, L) bool:
+    causal within a sample and never across samples (packing without cross-sample attention), the
+    diagonal always (as in `causal_mask`)."""
+    n = segments.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    allowed = causal[None] & same & (segments > 0)[:, None, :]
+    allowed |= torch.eye(n, dtype=torch.bool, device=segments.device)[None]
+    return allowed[:, None]
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """(B, L) segment ids -> positions restarting at 0 in every sample (padding gets 0)."""
+    index = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
+    starts = torch.cat([torch.ones_like(segments[:, :1], dtype=torch.bool), segments[:, 1:] != segments[:, :-1]], 1)
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+    return torch.where(segments > 0, index - start_index, torch.zeros_like(index))

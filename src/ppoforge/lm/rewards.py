@@ -89,12 +89,12 @@ def missing_eos_penalty(penalty: float) -> RewardFn:
 class RewardModelScorer:
     """A scalar reward model (`AutoModelForSequenceClassification`, 1 label) as a reward function.
 
-    Each (prompt, completion) is rendered as a user/assistant conversation with the reward model's
-    own chat template when it has one, else concatenated, then scored in right-padded batches: every
-    text starts at position 0 as it would alone, which absolute-position models (GPT-2, BERT-style
-    encoders that pool their first token) need — left-padded, a GPT-2 reward model scored the same text
-    0.056 alone and 0.106 beside a longer one. Causal-LM classifiers find the last real token from the
-    pad token themselves.
+    Each (prompt, completion) is tokenized as the reward model was trained to read it
+    (`examples.reward_input_ids`: the chat template's conversation, a text pair for encoders, else
+    concatenation), then scored in right-padded batches: every text starts at position 0 as it would
+    alone, which absolute-position models (GPT-2, BERT-style encoders that pool their first token)
+    need — left-padded, a GPT-2 reward model scored the same text 0.056 alone and 0.106 beside a longer
+    one. Causal-LM classifiers find the last real token from the pad token themselves.
     """
 
     def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
@@ -107,22 +107,19 @@ class RewardModelScorer:
         self.device = device
         self.batch_size = batch_size
 
-    def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
-        if not self.tokenizer.chat_template:
-            return [p + c for p, c in zip(prompts, completions, strict=True)]
-        return [self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
-                for p, c in zip(prompts, completions, strict=True)]
+    def input_ids(self, prompts: list[str], completions: list[str]) -> list[list[int]]:
+        from ppoforge.lm.examples import reward_input_ids
+
+        return [reward_input_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions, strict=True)]
 
     @torch.inference_mode()
     def __call__(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-        texts = self.texts(prompts, completions)
-        scores = []
-        for i in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
-                                   padding_side="right", add_special_tokens=not self.tokenizer.chat_template
-                                   ).to(self.device)
-            scores += self.model(**batch).logits[:, 0].float().tolist()  # (b,)
+        from ppoforge.lm.rollout import right_pad
+
+        rows, scores = self.input_ids(prompts, completions), []
+        for i in range(0, len(rows), self.batch_size):
+            ids, mask = right_pad(rows[i:i + self.batch_size], self.tokenizer.pad_token_id, self.device)
+            scores += self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()  # (b,)
         return scores
 
 

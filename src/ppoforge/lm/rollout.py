@@ -44,6 +44,18 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
+def right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (B, L) ids right-padded with pad_id and the (B, L) int64 0/1 mask: every row
+    starts at position 0, as it would alone (what absolute-position and first-token-pooling models need)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, resp_mask: torch.Tensor, beta: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ziegler et al.: r_t = -beta * KL_t on every response token, plus the score on the last one.

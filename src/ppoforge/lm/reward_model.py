@@ -1,0 +1,118 @@
+"""`ppoforge train reward`: a scalar reward model from preference pairs, the second stage of RLHF.
+
+Any `AutoModelForSequenceClassification` with one label: a causal LM (the score at the last real token)
+or an encoder such as MiniLM (its pooled first token). Chosen and rejected run in one right-padded
+forward; the loss is Bradley-Terry with an optional per-pair margin and reward centering
+(`core/preference.py`). The input is what `rewards.RewardModelScorer` feeds it when it scores PPO
+samples (`examples.reward_input_ids`), so the export is a reward PPO can use as it is
+(`train rlhf --reward model:PATH`) and, for a causal model, a critic to start from
+(`--layout full --critic-model PATH`: trunk and score head). Evaluation: pairwise accuracy and the mean
+reward gap on held-out pairs, and a histogram of the gaps (`reward_gaps.png`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ppoforge.core.preference import bradley_terry_loss
+from ppoforge.errors import UserError
+from ppoforge.lm.config import RewardConfig
+from ppoforge.lm.examples import Pair, preference_pairs, read_rows
+from ppoforge.lm.rollout import right_pad
+from ppoforge.lm.sft import export_model, lora_wrap, report_drops
+from ppoforge.lm.supervised import SupervisedTrainer, prepare, split_eval
+
+
+class RewardTask:
+    name = "reward"
+
+    def __init__(self, cfg: RewardConfig, run_dir: Path):
+        from ppoforge.lm.models import load_reward_model, load_tokenizer
+        from ppoforge.runtime.precision import make_precision
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.device = prepare(cfg)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
+                                        field="tokenizer" if cfg.tokenizer else "model")
+        rows, where = read_rows(cfg.data, cfg.data_split)
+        if cfg.eval_data:
+            train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)
+        else:
+            (train_rows, eval_rows), eval_where = split_eval(rows, cfg), f"{where} (held-out share)"
+        self.train_items, drops = preference_pairs(train_rows, where, self.tokenizer, cfg.max_length, cfg.strict)
+        self.eval_items, eval_drops = preference_pairs(eval_rows, eval_where, self.tokenizer, cfg.max_length,
+                                                       cfg.strict)
+        report_drops(self.run_dir, (drops, len(self.train_items)), (eval_drops, len(self.eval_items)))
+        if not self.train_items:
+            raise UserError(f"data: no usable pairs in {where} ({drops.summary(0)}); allowed: rows with chosen "
+                            "and rejected (and prompt)")
+        dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
+        model = load_reward_model(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+        self.model = lora_wrap(model, cfg, "SEQ_CLS") if cfg.layout == "lora" else model.train(False)
+        if cfg.layout == "lora":  # peft keeps the score head trainable (modules_to_save), in fp32
+            for n, p in self.model.named_parameters():
+                if "modules_to_save" in n:
+                    p.data = p.data.float()
+        self._trainable = [(n, p) for n, p in self.model.named_parameters()
+                           if cfg.layout == "full" or "lora_" in n or "modules_to_save" in n]
+        for _, p in self._trainable:
+            p.requires_grad_(True)
+
+    def trainable(self):
+        return self._trainable
+
+    def units(self, items: list[Pair]) -> torch.Tensor:
+        return torch.tensor(float(len(items)), device=self.device)
+
+    def rewards(self, items: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r_chosen, r_rejected), (B,) fp32 each, from one right-padded forward of both sides."""
+        ids, mask = right_pad([p.chosen for p in items] + [p.rejected for p in items], self.tokenizer.pad_token_id,
+                              self.device)
+        scores = self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        return scores[:len(items)], scores[len(items):]
+
+    def loss(self, items):
+        r_chosen, r_rejected = self.rewards(items)
+        margin = (torch.tensor([p.margin for p in items], device=self.device)
+                  if self.cfg.use_margin and any(p.margin for p in items) else None)
+        return bradley_terry_loss(r_chosen, r_rejected, margin, self.cfg.center_coef)
+
+    def evaluate(self, items) -> dict:
+        gaps = torch.cat([torch.sub(*self.rewards(items[s:s + self.cfg.micro_batch_size]))
+                          for s in range(0, len(items), self.cfg.micro_batch_size)])
+        plot_gaps(gaps, self.run_dir / "reward_gaps.png")
+        return {"eval/accuracy": float((gaps > 0).float().mean()), "eval/gap": float(gaps.mean()),
+                "eval/pairs": len(items)}
+
+    def export(self, path: Path) -> None:
+        export_model(self.model, self.tokenizer, path)
+
+
+def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
+    """Histogram of r_chosen - r_rejected over held-out pairs: mass right of 0 is ranked right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.hist(gaps.cpu().numpy(), bins=30, color="tab:blue", alpha=0.8)
+    ax.axvline(0, color="black", lw=1)
+    ax.set_xlabel("reward gap  r(chosen) - r(rejected)")
+    ax.set_ylabel("held-out pairs")
+    ax.set_title(f"accuracy {float((gaps > 0).float().mean()):.1%}, mean gap {float(gaps.mean()):+.2f}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
+    """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
+    from ppoforge.runtime.checkpoint import resume_from
+
+    trainer = SupervisedTrainer(cfg, run_dir, RewardTask(cfg, run_dir))
+    if resume:
+        resume_from(trainer, Path(run_dir) / "checkpoint.pt")
+    return trainer.run()

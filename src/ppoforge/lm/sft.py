@@ -1,0 +1,177 @@
+"""`ppoforge train sft`: supervised fine-tuning of a causal LM, the first stage of RLHF.
+
+The loss is the mean negative log-likelihood of the completion (or every assistant turn) tokens, never
+of the prompt (`examples.py` builds the masks from the chat template's own rendering). The LM head runs
+only at the positions that predict a target token, in the memory-light chunked log-prob of
+`logprobs.py`. With `packing`, several examples share a row without attending to each other
+(`packing.py`). LoRA (merged in fp32 on export) or full fine-tuning; the export is a plain
+`save_pretrained` folder that `ppoforge train rlhf --model` takes as it is.
+Left out: NEFTune noise, DPO-style losses, multi-turn data synthesis.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ppoforge.errors import UserError
+from ppoforge.lm.attention import as_attention_bias
+from ppoforge.lm.config import SFTConfig, SupervisedConfig
+from ppoforge.lm.examples import Example, read_rows, sft_examples
+from ppoforge.lm.logprobs import token_logprobs
+from ppoforge.lm.packing import collate, pack
+from ppoforge.lm.supervised import SupervisedTrainer, prepare, split_eval
+
+
+def report_drops(run_dir: Path, *drops) -> None:
+    """Say on stderr and in data_report.json which rows were left out and why."""
+    lines = [d.summary(used) for d, used in drops]
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "data_report.json").write_text(json.dumps(
+        [{"source": d.where, "used": used, "left_out": dict(d.counts),
+          "first": {k: {"line": v[0], "detail": v[1]} for k, v in d.first.items()}} for d, used in drops],
+        indent=1) + "\n")
+    for line in lines:
+        print(f"ppoforge: {line}", file=sys.stderr)
+
+
+def lora_wrap(model, cfg: SupervisedConfig, task_type: str):
+    """peft LoRA adapters on every (or the named) Linear of `model`; the rest frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_target_modules
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    model.requires_grad_(False)
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                      bias="none", task_type=task_type)
+    return get_peft_model(model, lora).eval()
+
+
+def export_model(model, tokenizer, path: Path) -> None:
+    """save_pretrained of the trained model (LoRA merged in fp32 from a copy) and its tokenizer."""
+    if hasattr(model, "merge_and_unload"):
+        model = copy.deepcopy(model).float().merge_and_unload()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+class SFTTask:
+    name = "sft"
+
+    def __init__(self, cfg: SFTConfig, run_dir: Path):
+        from ppoforge.lm.models import load_causal_lm, load_tokenizer
+        from ppoforge.lm.policy import enable_gradient_checkpointing
+        from ppoforge.runtime.precision import make_precision
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.device = prepare(cfg)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
+                                        field="tokenizer" if cfg.tokenizer else "model")
+        rows, where = read_rows(cfg.data, cfg.data_split)
+        if cfg.eval_data:
+            train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)
+        else:
+            (train_rows, eval_rows), eval_where = split_eval(rows, cfg), f"{where} (held-out share)"
+        train, drops = sft_examples(train_rows, where, self.tokenizer, cfg.max_length, cfg.strict)
+        held, eval_drops = sft_examples(eval_rows, eval_where, self.tokenizer, cfg.max_length, cfg.strict)
+        report_drops(self.run_dir, (drops, len(train)), (eval_drops, len(held)))
+        if not train:
+            raise UserError(f"data: no usable rows in {where} ({drops.summary(0)}); allowed: rows with messages, "
+                            "or prompt and completion")
+        self.train_items = pack(train, cfg.max_length) if cfg.packing else [[ex] for ex in train]
+        self.eval_items = [[ex] for ex in held]
+        self.eval_rows = [row for _, row in eval_rows]
+        dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
+        model = load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+        self.model = lora_wrap(model, cfg, "CAUSAL_LM") if cfg.layout == "lora" else model.train(False)
+        self.lm = self.model.get_base_model() if cfg.layout == "lora" else self.model
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(self.lm)
+        self._trainable = [(n, p) for n, p in self.model.named_parameters() if cfg.layout == "full" or "lora_" in n]
+        for _, p in self._trainable:
+            p.requires_grad_(True)
+
+    def trainable(self):
+        return self._trainable
+
+    def units(self, items: list[list[Example]]) -> torch.Tensor:
+        return torch.tensor(float(sum(sum(ex.loss_mask[1:]) for row in items for ex in row)), device=self.device)
+
+    def _target_logprobs(self, items: list[list[Example]]) -> torch.Tensor:
+        """Log-probs (N,) fp32 of every target token of the batch, the LM head only at their positions."""
+        batch = collate(items, self.tokenizer.pad_token_id, self.device)
+        backbone = self.lm.base_model
+        out = backbone(input_ids=batch.ids, attention_mask=as_attention_bias(batch.attention(), backbone),
+                       position_ids=batch.positions(), use_cache=False)
+        targets = batch.loss_mask[:, 1:].bool()
+        hidden = out.last_hidden_state[:, :-1][targets]  # (N, H): positions that predict a target
+        return token_logprobs(self.lm.get_output_embeddings()(hidden), batch.ids[:, 1:][targets], entropy=False)[0]
+
+    def loss(self, items):
+        logp = self._target_logprobs(items)
+        nll = -logp.mean()
+        return nll, {"accuracy_proxy": logp.exp().mean().detach()}  # mean probability of the target tokens
+
+    def evaluate(self, items) -> dict:
+        total, tokens = 0.0, 0
+        for s in range(0, len(items), self.cfg.micro_batch_size):
+            logp = self._target_logprobs(items[s:s + self.cfg.micro_batch_size])
+            total, tokens = total - float(logp.sum()), tokens + logp.numel()
+        loss = total / max(tokens, 1)
+        self._write_samples()
+        return {"eval/loss": loss, "eval/perplexity": float(torch.tensor(loss).exp())}
+
+    def _write_samples(self) -> None:
+        """Completions of the first held-out prompts, sampled with a fixed seed, into samples.jsonl."""
+        from ppoforge.lm.rollout import left_pad
+        from ppoforge.lm.sampler import SamplingParams, sample
+
+        prompts = [_prompt_of(row) for row in self.eval_rows[:self.cfg.sample_prompts]]
+        prompts = [p for p in prompts if p is not None]
+        if not prompts:
+            return
+        rendered = [self._render_prompt(p) for p in prompts]
+        ids, mask = left_pad(rendered, self.tokenizer.pad_token_id, self.device)
+        params = SamplingParams(self.cfg.sample_tokens, 0.7, 0, 1.0, (self.tokenizer.eos_token_id,),
+                                self.tokenizer.pad_token_id)
+        samples = sample(self.lm, ids, mask, params, torch.Generator(self.device).manual_seed(self.cfg.seed))
+        lengths = samples.response_mask.sum(1).long().tolist()
+        rows = [r[:n] for r, n in zip(samples.response_ids.tolist(), lengths, strict=True)]
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            for p, t in zip(prompts, texts, strict=True):
+                f.write(json.dumps({"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t}) + "\n")
+
+    def _render_prompt(self, prompt) -> list[int]:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(messages[-1]["content"])["input_ids"]
+
+    def export(self, path: Path) -> None:
+        export_model(self.model, self.tokenizer, path)
+
+
+def _prompt_of(row: dict):
+    """The prompt part of an SFT row: `prompt`, or the messages before the last assistant turn."""
+    if "prompt" in row:
+        return row["prompt"]
+    messages = row.get("messages") or []
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+               default=None)
+    return messages[:last] if last else None
+
+
+def train(cfg: SFTConfig, run_dir: Path, resume: bool = False) -> dict:
+    """Fine-tune (or, with resume, continue) in `run_dir`; the model is exported to run_dir/model."""
+    from ppoforge.runtime.checkpoint import resume_from
+
+    trainer = SupervisedTrainer(cfg, run_dir, SFTTask(cfg, run_dir))
+    if resume:
+        resume_from(trainer, Path(run_dir) / "checkpoint.pt")
+    return trainer.run()

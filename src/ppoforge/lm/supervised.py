@@ -1,0 +1,228 @@
+"""The loop SFT and reward-model training share: epochs of shuffled examples, one optimizer step per
+batch, gradient accumulation over micro-batches, evaluation, checkpoints, exact resume.
+
+A task (`sft.SFTTask`, `reward_model.RewardTask`) owns the model, the examples and the loss; this
+module owns everything around them, composed from the shared pieces: precision (`runtime/precision`),
+token-share accumulation (`core/accumulation`: a micro-batch's mean loss is weighted by its share of
+the batch's loss units — tokens for SFT, pairs for reward models — so any split gives the batch's
+gradient), the non-finite guard, OOM halving of the micro-batch, `RunGuard` checkpoints on failure and
+`train_loop` (signals, periodic checkpoints). The data order is a permutation per epoch seeded by
+(seed, epoch) and a cursor: a resumed run sees exactly the batches the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ppoforge.config import config_to_dict, save_config
+from ppoforge.core.accumulation import token_share
+from ppoforge.lm.config import SupervisedConfig
+from ppoforge.runtime import trust
+from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, seed_everything, set_rng_state
+from ppoforge.runtime.device import resolve_device
+from ppoforge.runtime.metrics import MetricsLogger, truncate_metrics
+from ppoforge.runtime.oom import halve, is_oom
+from ppoforge.runtime.precision import make_precision
+from ppoforge.runtime.progress import Progress
+from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.rundir import atomic_write_text
+
+CHECKPOINT = "checkpoint.pt"
+
+
+class Task(Protocol):
+    """What a supervised objective provides to the loop."""
+
+    name: str             # "sft" / "reward": the `ppoforge train <name>` command
+    train_items: list     # examples (or packed rows / pairs), in file order
+    eval_items: list
+    device: torch.device
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+
+    def units(self, items: list) -> torch.Tensor: ...  # loss units in items (tokens, pairs): the mean's divisor
+
+    def loss(self, items: list) -> tuple[torch.Tensor, dict]: ...  # mean loss over items' units, detached stats
+
+    def evaluate(self, items: list) -> dict: ...  # eval/ metrics (and whatever it writes into the run dir)
+
+    def export(self, path: Path) -> None: ...  # save_pretrained of the trained model and its tokenizer
+
+
+class SupervisedTrainer:
+    def __init__(self, cfg: SupervisedConfig, run_dir: Path, task: Task):
+        self.cfg, self.run_dir, self.task = cfg, Path(run_dir), task
+        self.precision = make_precision(cfg.precision, task.device)
+        self.params = [p for _, p in task.trainable()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                           fused=task.device.type in ("cpu", "cuda"))
+        n = len(task.train_items)
+        self.steps_per_epoch = math.ceil(n / cfg.batch_size)
+        self.total_steps = max(1, round(cfg.epochs * self.steps_per_epoch))
+        self.warmup = round(cfg.warmup_ratio * self.total_steps)
+        self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
+        self.update, self.cursor, self.lr_scale, self.optimizing = 0, 0, 1.0, False
+        self.micro_batch = cfg.micro_batch_size
+        self._order = (-1, None)
+        self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train {task.name} --resume {run_dir}")
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"trainable": {n: p.detach().clone() for n, p in self.task.trainable()},
+                "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict(),
+                "config": config_to_dict(self.cfg), **self.light_state()}
+
+    def light_state(self) -> dict:
+        return {"rng": rng_state(), "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
+                "lr_scale": self.lr_scale}
+
+    def load(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, p in self.task.trainable():
+                p.copy_(state["trainable"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        set_rng_state(state["rng"])
+        self.update, self.cursor = state["update"], state["cursor"]
+        self.guard.load_state_dict(state["guard"])
+        self.lr_scale = state["lr_scale"]
+
+    def rollback(self) -> None:
+        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        self.load(load_checkpoint(self.run_dir / CHECKPOINT))
+        self.guard.counts.update(counts)
+        self.lr_scale = scale
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def next_batch(self) -> list:
+        """The next batch_size items of an epoch-wise shuffled stream (permutation seeded by (seed, epoch));
+        an epoch's last batch is the partial rest of it."""
+        n, epoch = len(self.task.train_items), self.cursor // len(self.task.train_items)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.cfg.seed, epoch]).permutation(n))
+        start = self.cursor % n
+        idx = self._order[1][start:start + self.cfg.batch_size]
+        self.cursor += len(idx)
+        return [self.task.train_items[i] for i in idx]
+
+    def learning_rate(self) -> float:
+        """Linear warm-up over the first `warmup` steps, then linear decay to 0 at the last step."""
+        step = self.update
+        if step < self.warmup:
+            return self.cfg.learning_rate * self.lr_scale * (step + 1) / self.warmup
+        left = (self.total_steps - step) / max(1, self.total_steps - self.warmup)
+        return self.cfg.learning_rate * self.lr_scale * max(0.0, left)
+
+    def _gradients(self, items: list) -> tuple[torch.Tensor, dict]:
+        """The batch's gradients in .grad (micro-batches of `micro_batch` items, halved and redone on OOM);
+        the batch-mean loss and stats."""
+        total = self.task.units(items)
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                loss_sum, stats = torch.zeros((), device=self.task.device), {}
+                with self.precision.weight_cache():
+                    for s in range(0, len(items), self.micro_batch):
+                        micro = items[s:s + self.micro_batch]
+                        share = token_share(self.task.units(micro).reshape(1), total)
+                        with self.precision.autocast():
+                            loss, mb_stats = self.task.loss(micro)
+                        self.precision.backward(loss * share)
+                        loss_sum += share * loss.detach()
+                        for k, v in mb_stats.items():
+                            stats[k] = stats.get(k, 0) + share * v
+                return loss_sum, stats
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self.micro_batch = halve(self.micro_batch, "micro-batch", e)
+
+    def train_one_update(self) -> dict:
+        start = time.perf_counter()
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        items = self.next_batch()
+        loss, stats = self._gradients(items)
+        norm = self.precision.clip(self.optimizer, self.params, self.cfg.max_grad_norm)
+        ok = self.guard.step_ok(loss, norm, self.precision.scaler is not None)
+        self.optimizing = True
+        self.precision.apply(self.optimizer, skip=not ok)
+        self.update += 1
+        metrics = {"train/loss": loss, "train/grad_norm": norm, **{f"train/{k}": v for k, v in stats.items()}}
+        metrics = {k: float(v) for k, v in metrics.items()}
+        elapsed = time.perf_counter() - start
+        units = float(self.task.units(items))
+        metrics.update({"lr": lr, "epoch": self.cursor / len(self.task.train_items), **self.guard.counts,
+                        "guard/micro_batch_size": self.micro_batch, "perf/units_per_s": units / elapsed,
+                        "perf/step_s": elapsed})
+        return metrics
+
+    # ---- the run -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate(self) -> dict:
+        if not self.task.eval_items:
+            return {}
+        with self.precision.autocast():
+            return self.task.evaluate(self.task.eval_items)
+
+    def run(self) -> dict:
+        """Train to the end (or a stop signal); returns the last metrics, eval included."""
+        cfg = self.cfg
+        save_config(cfg, self.run_dir / "config.yaml")
+        if self.update == 0:
+            trust.record(self.run_dir, cfg)
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
+        progress = Progress(self.total_steps, self.update, enabled=cfg.progress, unit="step")
+        last: dict = {}
+
+        def after_update(metrics: dict) -> None:
+            if self.update % cfg.eval_every == 0 or self.update == self.total_steps:
+                metrics.update(self.evaluate())
+            last.update(metrics)
+            if self.update % cfg.log_every == 0 or self.update == self.total_steps:
+                logger.log(self.update, metrics)
+            progress.advance(1, loss=metrics["train/loss"], eval=metrics.get("eval/loss"))
+
+        try:
+            if self.update == 0:
+                first = self.evaluate()
+                logger.log(0, first)
+                last.update(first)
+                if cfg.nonfinite_action == "rollback":
+                    self.run_guard.save()
+            stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
+            if self.update == self.total_steps and not stopped:
+                self.task.export(self.run_dir / "model")
+        finally:
+            progress.close()
+            logger.close()
+        atomic_write_text(self.run_dir / "summary.json",
+                          json.dumps({"steps": self.update, "stopped_by": stopped, **last}, indent=1) + "\n")
+        return {"steps": self.update, "stopped_by": stopped, **last}
+
+
+def prepare(cfg: SupervisedConfig) -> torch.device:
+    """The process-level setup a task needs before it builds its model: threads, seeds, the device."""
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    seed_everything(cfg.seed)
+    return resolve_device(cfg.device)
+
+
+def split_eval(rows: list, cfg: SupervisedConfig) -> tuple[list, list]:
+    """(train rows, held-out rows): the last `eval_fraction` of a seeded shuffle of the rows."""
+    if cfg.eval_fraction == 0 or len(rows) < 2:
+        return rows, []
+    order = np.random.default_rng([cfg.seed, 12345]).permutation(len(rows))
+    n_eval = max(1, round(cfg.eval_fraction * len(rows)))
+    return [rows[i] for i in sorted(order[n_eval:])], [rows[i] for i in sorted(order[:n_eval])]
