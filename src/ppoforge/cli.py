@@ -8,6 +8,7 @@
   ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
   ppoforge train sft --preset tiny --model PATH --data chats.jsonl
   ppoforge train reward --preset tiny --model PATH --data pairs.jsonl
+  ppoforge pipeline demo                     # SFT -> reward model -> PPO, resumable per stage
   ppoforge notebook --port 8888
 
 Every failure ends in one line on stderr: bad input exit code 2, a fault of the environment exit code
@@ -126,6 +127,35 @@ def _cmd_train_reward(args) -> int:
     return 0
 
 
+def _cmd_pipeline(args) -> int:
+    from ppoforge.pipeline import describe, run_pipeline
+
+    config = _pipeline_file(args.config)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / f"pipeline-{config.stem}"
+    summary = run_pipeline(config, run_dir, trusted=args.trust_run_dir)
+    if summary["stopped_by"]:
+        print(f"stopped by {summary['stopped_by']} in stage {summary['stage']}, checkpoint saved; rerun "
+              f"`ppoforge pipeline {args.config} --run-dir {run_dir}` to continue")
+        return 0
+    print(describe(summary))
+    print(f"run dir {run_dir} (summary.json, and sft/ reward/ ppo/ with each stage's run)")
+    return 0
+
+
+def _pipeline_file(name: str) -> Path:
+    """A pipeline YAML path, or the name of a built-in one (configs/pipeline/<name>.yaml)."""
+    from importlib import resources
+
+    path = Path(name)
+    if path.suffix:
+        return path
+    builtin = resources.files("ppoforge") / "configs" / "pipeline" / f"{name}.yaml"
+    if not builtin.is_file():
+        raise UserError(f"pipeline: no built-in pipeline {name!r}; allowed: {', '.join(list_presets('pipeline'))} "
+                        "or a path to a .yaml file")
+    return Path(str(builtin))
+
+
 def _cmd_eval(args) -> int:
     from ppoforge.control.evaluate import evaluate
 
@@ -215,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(demo, RLHFConfig)
     demo.set_defaults(func=_cmd_demo)
 
+    pipe = sub.add_parser("pipeline", help="SFT -> reward model -> PPO from one YAML file, resumable per stage")
+    pipe.add_argument("config", help=f"a pipeline YAML file or a built-in one ({', '.join(list_presets('pipeline'))})")
+    pipe.add_argument("--run-dir", help="where the stages run (default: RUNS_ROOT/pipeline-<config name>); "
+                      "rerun with the same one to continue")
+    pipe.add_argument("--runs-root", default="runs", help="parent folder of the run dir (default: runs)")
+    pipe.add_argument("--trust-run-dir", action="store_true", help="resume stages whose py: code changed")
+    pipe.set_defaults(func=_cmd_pipeline)
+
     ev = sub.add_parser("eval", help="evaluate a control run: mean ± std return")
     ev.add_argument("run_dir", help="a run dir written by `ppoforge train control`")
     ev.add_argument("--episodes", type=_positive_int, default=20, help="episodes per mode")
@@ -268,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     try:
         args = build_parser().parse_args(argv)
-        if args.command in ("train", "demo"):
+        if args.command in ("train", "demo", "pipeline"):
             _quiet_libraries()
             from ppoforge.runtime.allocator import keep_freed_memory
 

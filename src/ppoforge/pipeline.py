@@ -1,0 +1,128 @@
+"""`ppoforge pipeline CONFIG`: the three stages of RLHF — SFT, a reward model, PPO — from one YAML file.
+
+    sft:    {SFTConfig fields}
+    reward: {RewardConfig fields}
+    ppo:    {RLHFConfig fields}      # model and reward default to the two stages' exports
+
+Each stage runs in its own subfolder of the run dir with its own trainer, so everything a stage does
+alone (checkpoints, exact resume, the error boundary, SIGTERM) holds inside the pipeline. All three
+configs are validated before the first stage starts: a typo in `ppo` fails in a second, not after an
+hour of SFT. Rerunning the command continues where it stopped: a finished stage (`stage.json`) is not
+redone, an interrupted one resumes from its checkpoint (its config may only change the fields a resume
+may change). A stage can be left out of the file (e.g. to start from your own SFT model).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from ppoforge.config import build_config, read_saved_config, resume_config
+from ppoforge.errors import UserError
+from ppoforge.lm.config import RewardConfig, RLHFConfig, SFTConfig
+from ppoforge.runtime.rundir import atomic_write_text
+
+STAGES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": RLHFConfig}
+
+
+def read_pipeline(path: Path) -> dict[str, dict]:
+    """{stage: fields} from the YAML file: only known stages, each a mapping."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise UserError(f"pipeline: cannot read {path} ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"pipeline: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    unknown = sorted(set(data) - set(STAGES)) if isinstance(data, dict) else ["(not a mapping)"]
+    if unknown or not data:
+        raise UserError(f"pipeline: {path} has {unknown[0] if unknown else 'no stages'}; allowed: sft, reward "
+                        "and ppo sections, each a mapping of that trainer's fields")
+    for stage, fields in data.items():
+        if not isinstance(fields, dict):
+            raise UserError(f"pipeline: the {stage} section of {path} must be a mapping of fields")
+    return data
+
+
+def stage_configs(spec: dict[str, dict], run_dir: Path) -> dict:
+    """Every stage's config, validated now; PPO's model and reward default to the stages' exports."""
+    configs = {}
+    for stage, cls in STAGES.items():
+        if stage not in spec:
+            continue
+        values = dict(spec[stage])
+        if stage == "ppo":
+            if "sft" in spec:
+                values.setdefault("model", str(run_dir / "sft" / "model"))
+            if "reward" in spec:
+                values.setdefault("reward", f"model:{run_dir / 'reward' / 'model'}")
+        try:
+            configs[stage] = build_config(cls, values)
+        except UserError as e:
+            raise UserError(f"pipeline: {stage}: {e}") from None
+    return configs
+
+
+def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, str | None]:
+    """Run (or resume) one stage; (its result, the signal that stopped it or None)."""
+    from ppoforge.lm import reward_model, sft
+    from ppoforge.lm import trainer as rlhf
+    from ppoforge.runtime import rundir, trust
+
+    resume = (stage_dir / "checkpoint.pt").is_file()
+    if resume:
+        cfg = resume_config(type(cfg), read_saved_config(stage_dir / "config.yaml"), vars(cfg))
+        trust.check_resume(stage_dir, cfg, trusted)
+    else:
+        rundir.prepare_new_run_dir(stage_dir, overwrite=True)  # what a stage left before its first checkpoint
+    if stage == "ppo":
+        result = rlhf.train(cfg, stage_dir, resume=resume)
+        return {"updates": result.updates, **result.last_metrics, **_heldout(stage_dir)}, result.stopped_by
+    result = (sft if stage == "sft" else reward_model).train(cfg, stage_dir, resume=resume)
+    return result, result["stopped_by"]
+
+
+def _heldout(stage_dir: Path) -> dict:
+    """PPO's held-out score before the first and after the last update (its eval/scores rows)."""
+    rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
+    scores = [r["eval/scores"] for r in rows if r.get("eval/scores") is not None]
+    return {"heldout_before": scores[0], "heldout_after": scores[-1]} if len(scores) > 1 else {}
+
+
+def run_pipeline(config_path: Path, run_dir: Path, trusted: bool = False) -> dict:
+    """Run the stages in order, skipping finished ones; returns the summary (also run_dir/summary.json)."""
+    configs = stage_configs(read_pipeline(config_path), Path(run_dir))
+    summary = {}
+    for stage, cfg in configs.items():
+        stage_dir, done = Path(run_dir) / stage, Path(run_dir) / stage / "stage.json"
+        if done.is_file():
+            summary[stage] = json.loads(done.read_text())
+            print(f"ppoforge pipeline: {stage} already finished in {stage_dir}; not redone", file=sys.stderr)
+            continue
+        print(f"ppoforge pipeline: {stage} in {stage_dir}", file=sys.stderr, flush=True)
+        result, stopped = _run_stage(stage, cfg, stage_dir, trusted)
+        if stopped:
+            return {"stopped_by": stopped, "stage": stage, **summary}
+        summary[stage] = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k != "stopped_by"}
+        atomic_write_text(done, json.dumps(summary[stage], indent=1) + "\n")
+    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=1) + "\n")
+    return {"stopped_by": None, **summary}
+
+
+def describe(summary: dict) -> str:
+    """The end-of-pipeline lines: what each stage reached."""
+    lines = []
+    if "sft" in summary:
+        loss = summary["sft"].get("eval/loss", float("nan"))
+        lines.append(f"sft: {summary['sft'].get('steps')} steps, held-out loss {loss:.3f}")
+    if "reward" in summary:
+        r = summary["reward"]
+        lines.append(f"reward model: held-out pairwise accuracy {r.get('eval/accuracy', float('nan')):.1%}, "
+                     f"mean gap {r.get('eval/gap', float('nan')):+.2f}")
+    if "ppo" in summary:
+        p = summary["ppo"]
+        lines.append(f"ppo: {p.get('updates')} updates, learned reward on held-out prompts "
+                     f"{p.get('heldout_before', float('nan')):+.3f} -> {p.get('heldout_after', float('nan')):+.3f}")
+    return "\n".join(lines)

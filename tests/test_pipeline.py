@@ -1,0 +1,106 @@
+"""`ppoforge pipeline`: three stages from one YAML on tiny models; a rerun skips finished stages and
+resumes an interrupted one; a bad field in a later stage fails before the first stage starts."""
+
+import json
+import os
+import signal
+
+import pytest
+import yaml
+
+from ppoforge.cli import main
+
+POS = ["great", "wonderful", "excellent", "happy", "love", "amazing"]
+NEG = ["terrible", "awful", "sad", "hate", "boring", "horrible"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from ppoforge.lm.tiny import save_tiny_lm, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    policy = save_tiny_lm(root / "policy")
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(root / "rm")
+    BertForSequenceClassification(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                             max_position_embeddings=128,
+                                             pad_token_id=tok.pad_token_id)).save_pretrained(root / "rm")
+    data = root / "pairs.jsonl"
+    rows = [{"prompt": f"Write one sentence about {t}.", "chosen": f"It is {p}.", "rejected": f"It is {n}."}
+            for t in ("rain", "coffee", "the city", "my friend") for p, n in zip(POS, NEG, strict=True)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft = root / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["chosen"]}) + "\n" for r in rows))
+    return policy, root / "rm", data, sft
+
+
+def _spec(tiny_models, **ppo):
+    policy, rm, pairs, sft = tiny_models
+    common = {"progress": False, "tensorboard": False, "device": "cpu", "torch_threads": 1}
+    return {"sft": {"model": str(policy), "data": str(sft), "lora_r": 4, "batch_size": 8, "micro_batch_size": 8,
+                    "epochs": 1, "max_length": 64, "sample_prompts": 1, "sample_tokens": 3, **common},
+            "reward": {"model": str(rm), "data": str(pairs), "layout": "full", "batch_size": 8, "micro_batch_size": 8,
+                       "epochs": 1, "max_length": 64, "learning_rate": 1e-3, **common},
+            "ppo": {"prompts": "demo", "heldout_prompts": "demo-heldout", "heldout_samples": 1, "batch_size": 4,
+                    "mini_batch_size": 4, "micro_batch_size": 4, "max_new_tokens": 3, "total_updates": 2,
+                    "lora_r": 4, "checkpoint_every": 1, **common, **ppo}}
+
+
+def _write(tmp_path, spec):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_three_stages_then_a_rerun_redoes_nothing(tmp_path, tiny_models, capsys):
+    config, run = _write(tmp_path, _spec(tiny_models)), tmp_path / "run"
+    assert main(["pipeline", str(config), "--run-dir", str(run)]) == 0
+    out = capsys.readouterr()
+    assert "reward model: held-out pairwise accuracy" in out.out and "learned reward on held-out prompts" in out.out
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary) == {"sft", "reward", "ppo"}
+    assert summary["ppo"]["updates"] == 2 and "heldout_before" in summary["ppo"]
+    ppo_cfg = yaml.safe_load((run / "ppo" / "config.yaml").read_text())
+    assert ppo_cfg["model"] == str(run / "sft" / "model") and ppo_cfg["reward"] == f"model:{run / 'reward' / 'model'}"
+    mtimes = {p: p.stat().st_mtime_ns for p in run.rglob("checkpoint.pt")}
+    assert main(["pipeline", str(config), "--run-dir", str(run)]) == 0
+    assert capsys.readouterr().err.count("already finished") == 3
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("checkpoint.pt")} == mtimes  # nothing was redone
+
+
+def test_an_interrupted_stage_resumes_inside_the_stage(tmp_path, tiny_models, capsys, monkeypatch):
+    from ppoforge.lm import trainer as rlhf
+
+    config, run = _write(tmp_path, _spec(tiny_models, total_updates=3)), tmp_path / "run"
+    real = rlhf.RLHFTrainer.train_one_update
+
+    def stop_after_update_1(self):
+        result = real(self)
+        if self.update == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(rlhf.RLHFTrainer, "train_one_update", stop_after_update_1)
+    assert main(["pipeline", str(config), "--run-dir", str(run)]) == 0
+    assert "stopped by SIGTERM in stage ppo" in capsys.readouterr().out
+    assert (run / "sft" / "stage.json").is_file() and not (run / "ppo" / "stage.json").exists()
+    monkeypatch.setattr(rlhf.RLHFTrainer, "train_one_update", real)
+    assert main(["pipeline", str(config), "--run-dir", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("already finished") == 2  # sft and reward
+    steps = [json.loads(line)["step"] for line in (run / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s] == [1, 2, 3, 3]  # updates 1-3 once (and the final held-out eval at 3)
+
+
+def test_a_bad_field_in_a_later_stage_fails_before_any_stage_runs(tmp_path, tiny_models, capsys):
+    spec = _spec(tiny_models, kl_coef=float("nan"))
+    code = main(["pipeline", str(_write(tmp_path, spec)), "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and "pipeline: ppo: kl_coef: nan is not a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    bad = _write(tmp_path, {"sft": {"model": "x", "data": "y"}, "rl": {}})
+    code = main(["pipeline", str(bad)])
+    assert code == 2 and "allowed: sft, reward and ppo sections" in capsys.readouterr().err
