@@ -180,6 +180,8 @@ def test_classify():
     assert code == EXIT_FAULT and line.startswith("no space left writing /runs/a/checkpoint.pt")
     code, line = classify(PermissionError(errno.EACCES, "Permission denied", "/runs"))
     assert code == EXIT_USER and "allowed: a path this user can read and write" in line
+    code, line = classify(OSError(errno.EROFS, "Read-only file system", "/runs/a/metrics.jsonl"))
+    assert code == EXIT_USER and "/runs/a/metrics.jsonl" in line and "\n" not in line
     code, line = classify(KeyError("k"))
     assert code == EXIT_FAULT and line.startswith("internal error KeyError") and "--debug" in line
 
