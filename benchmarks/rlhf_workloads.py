@@ -105,6 +105,21 @@ def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def write_supervised_data(w: Workload, out_dir: str | Path, rows: int, seed: int = 0) -> None:
+    """sft.jsonl (prompt, completion) and pairs.jsonl (prompt, chosen, rejected) of random words for the
+    SFT / reward-model benchmark: prompts of 16-32 words, completions of 16-96, so batches need padding."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    words = lambda lo, hi: " ".join(f"t{int(i)}" for i in torch.randint(
+        3, w.vocab, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),), generator=gen))
+    out = Path(out_dir)
+    with open(out / "sft.jsonl", "w") as sft, open(out / "pairs.jsonl", "w") as pairs:
+        for _ in range(rows):
+            prompt = words(16, 32)
+            sft.write(json.dumps({"prompt": prompt, "completion": " " + words(16, 96)}) + "\n")
+            pairs.write(json.dumps({"prompt": prompt, "chosen": " " + words(16, 96),
+                                    "rejected": " " + words(16, 96)}) + "\n")
+
+
 def load_prompts(workload_dir: str | Path) -> list[list[int]]:
     with open(Path(workload_dir) / "prompts.jsonl") as f:
         return [json.loads(line)["input_ids"] for line in f]

@@ -147,3 +147,34 @@ def test_reward_model_trains_with_lora_or_full_and_the_margin(tmp_path, tiny_rew
     assert changed and (layout == "full" or all("lora_" in n or "modules_to_save" in n for n in changed))
     if layout == "lora":
         assert any("score" in n for n in changed)  # the score head trains too
+
+
+def _target_logprobs_alone(task, items):
+    return torch.cat([task._target_logprobs([row]) for row in items])
+
+
+def test_sft_batches_without_a_padding_mask_score_every_example_as_it_scores_alone(tmp_path, tiny_lm_dir, sft_file):
+    """Unpacked right-padded rows run with the causal mask only; the padding after a row's tokens must not
+    change its log-probs (nor may the rows' order within a micro-batch)."""
+    from ppoforge.lm.sft import SFTTask
+
+    task = SFTTask(_sft_cfg(tiny_lm_dir, sft_file, layout="full"), tmp_path)
+    items = sorted(task.train_items, key=task.size)[::5][:6]  # different lengths in one batch
+    assert len({task.size(row) for row in items}) > 1
+    with torch.no_grad():
+        torch.testing.assert_close(task._target_logprobs(items), _target_logprobs_alone(task, items),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_causal_reward_model_batches_score_each_pair_as_alone(tmp_path, tiny_reward_model_dir, pairs_file):
+    from ppoforge.lm.reward_model import RewardTask, is_causal
+
+    assert is_causal("qwen2") and is_causal("llama") and not is_causal("bert") and not is_causal("distilbert")
+    task = RewardTask(_rm_cfg(tiny_reward_model_dir, pairs_file), tmp_path)
+    assert task.causal
+    items = task.train_items[:6]
+    items[0] = type(items[0])(items[0].chosen + items[0].chosen, items[0].rejected)  # a longer row pads the rest
+    with torch.no_grad():
+        batch = torch.stack(task.rewards(items))
+        alone = torch.stack([torch.cat(task.rewards([p])) for p in items], dim=1)
+    torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)

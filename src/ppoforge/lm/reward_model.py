@@ -57,11 +57,15 @@ class RewardTask:
                     p.data = p.data.float()
         self._trainable = [(n, p) for n, p in self.model.named_parameters()
                            if cfg.layout == "full" or "lora_" in n or "modules_to_save" in n]
+        self.causal = is_causal(model.config.model_type)
         for _, p in self._trainable:
             p.requires_grad_(True)
 
     def trainable(self):
         return self._trainable
+
+    def size(self, item: Pair) -> int:
+        return max(len(item.chosen), len(item.rejected))
 
     def units(self, items: list[Pair]) -> torch.Tensor:
         return torch.tensor(float(len(items)), device=self.device)
@@ -70,7 +74,9 @@ class RewardTask:
         """(r_chosen, r_rejected), (B,) fp32 each, from one right-padded forward of both sides."""
         ids, mask = right_pad([p.chosen for p in items] + [p.rejected for p in items], self.tokenizer.pad_token_id,
                               self.device)
-        scores = self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        # A causal model needs no padding mask for right-padded rows (its score is read at the last real
+        # token, found from the pad ids, and nothing before it sees the padding): SDPA's causal kernel.
+        scores = self.model(input_ids=ids, **({} if self.causal else {"attention_mask": mask})).logits[:, 0].float()
         return scores[:len(items)], scores[len(items):]
 
     def loss(self, items):
@@ -88,6 +94,15 @@ class RewardTask:
 
     def export(self, path: Path) -> None:
         export_model(self.model, self.tokenizer, path)
+
+
+def is_causal(model_type: str) -> bool:
+    """A decoder-only family (causal attention everywhere); BERT-style encoders, which some causal-LM
+    heads also exist for, are not."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:

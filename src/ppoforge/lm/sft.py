@@ -98,6 +98,9 @@ class SFTTask:
     def trainable(self):
         return self._trainable
 
+    def size(self, item: list[Example]) -> int:
+        return sum(len(ex.ids) for ex in item)
+
     def units(self, items: list[list[Example]]) -> torch.Tensor:
         return torch.tensor(float(sum(sum(ex.loss_mask[1:]) for row in items for ex in row)), device=self.device)
 
@@ -105,8 +108,12 @@ class SFTTask:
         """Log-probs (N,) fp32 of every target token of the batch, the LM head only at their positions."""
         batch = collate(items, self.tokenizer.pad_token_id, self.device)
         backbone = self.lm.base_model
-        out = backbone(input_ids=batch.ids, attention_mask=as_attention_bias(batch.attention(), backbone),
-                       position_ids=batch.positions(), use_cache=False)
+        if any(len(row) > 1 for row in items):  # packed: each example attends only to itself, from position 0
+            masks = {"attention_mask": as_attention_bias(batch.attention(), backbone),
+                     "position_ids": batch.positions()}
+        else:  # one right-padded example per row: the causal mask alone is exact for every real token (the
+            masks = {}  # padding comes after them), and SDPA's is_causal kernel skips the masked half
+        out = backbone(input_ids=batch.ids, use_cache=False, **masks)
         targets = batch.loss_mask[:, 1:].bool()
         hidden = out.last_hidden_state[:, :-1][targets]  # (N, H): positions that predict a target
         return token_logprobs(self.lm.get_output_embeddings()(hidden), batch.ids[:, 1:][targets], entropy=False)[0]

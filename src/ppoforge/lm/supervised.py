@@ -47,6 +47,8 @@ class Task(Protocol):
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]: ...
 
+    def size(self, item) -> int: ...  # tokens one item puts in a padded row (micro-batches group similar sizes)
+
     def units(self, items: list) -> torch.Tensor: ...  # loss units in items (tokens, pairs): the mean's divisor
 
     def loss(self, items: list) -> tuple[torch.Tensor, dict]: ...  # mean loss over items' units, detached stats
@@ -123,7 +125,9 @@ class SupervisedTrainer:
 
     def _gradients(self, items: list) -> tuple[torch.Tensor, dict]:
         """The batch's gradients in .grad (micro-batches of `micro_batch` items, halved and redone on OOM);
-        the batch-mean loss and stats."""
+        the batch-mean loss and stats. Micro-batches take the items in order of size, so each pads to
+        less; the token-share weights make the sum the batch's gradient whatever the split."""
+        items = sorted(items, key=self.task.size)
         total = self.task.units(items)
         while True:
             self.optimizer.zero_grad(set_to_none=True)
