@@ -120,6 +120,21 @@ def write_supervised_data(w: Workload, out_dir: str | Path, rows: int, seed: int
                                     "rejected": " " + words(16, 96)}) + "\n")
 
 
+def supervised_worker_args(description: str) -> argparse.ArgumentParser:
+    """The command line both SFT / reward-model benchmark workers take (TRL's and ppoforge's)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--workload-dir", required=True, help="directory written by supervised_vs_trl.py")
+    p.add_argument("--task", choices=["sft", "reward"], required=True)
+    p.add_argument("--layout", choices=["full", "lora"], default="full")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--batch", type=int, default=16, help="examples (pairs) per optimizer step")
+    p.add_argument("--micro", type=int, default=8, help="examples per forward/backward")
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    return p
+
+
 def load_prompts(workload_dir: str | Path) -> list[list[int]]:
     with open(Path(workload_dir) / "prompts.jsonl") as f:
         return [json.loads(line)["input_ids"] for line in f]

@@ -28,17 +28,7 @@ import rlhf_workloads  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload-dir", required=True, help="directory written by supervised_vs_trl.py")
-    p.add_argument("--task", choices=["sft", "reward"], required=True)
-    p.add_argument("--layout", choices=["full", "lora"], default="full")
-    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps (after the warm-up)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    return p.parse_args()
+    return rlhf_workloads.supervised_worker_args(__doc__.splitlines()[0]).parse_args()
 
 
 def main() -> None:
