@@ -26,7 +26,8 @@ def test_resolve_local_dir_and_hub_id(tiny_lm_dir):
 
 @pytest.mark.parametrize("name", ["./no/such/model", "/no/such/model", "~/no_such_model", "a/b/c"])
 def test_resolve_missing_path_is_user_error(name):
-    allowed = r"a local directory with config.json, a hub id, or a built-in name \(smollm2-135m-instruct, minilm-l6-v2\)$"
+    allowed = (r"a local directory with config.json, a hub id, or a built-in name "
+               r"\(smollm2-135m-instruct, minilm-l6-v2\)$")
     with pytest.raises(UserError, match=r"^model: no model at .*; allowed: " + allowed):
         resolve_model(name)
 
