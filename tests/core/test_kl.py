@@ -8,10 +8,11 @@ import torch
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
 
 
-def test_k1_and_k3_hand_values():
+def test_k1_k2_k3_hand_values():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
-    # k1 = log(0.5 / 0.25) = log 2; k3 with r = ref / p = 0.5: (0.5 - 1) - log 0.5 = -0.5 + log 2
+    # k1 = log(0.5 / 0.25) = log 2; k2 = 0.5 (log 2)^2; k3 with r = ref / p = 0.5: (0.5 - 1) - log 0.5
     torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([math.log(2)]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([0.5 * math.log(2) ** 2]))
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([-0.5 + math.log(2)]))
 
 
@@ -30,7 +31,29 @@ def test_k3_nonnegative_and_both_unbiased_on_samples():
 
 def test_unknown_estimator_raises():
     with pytest.raises(ValueError, match="k1"):
-        kl_penalty(torch.zeros(1), torch.zeros(1), "k2")
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_expected_gradients_as_a_loss_term():
+    """On tokens the policy samples, E_pi[grad k] (the sampling not differentiated, as in a loss):
+    k1 -> sum pi grad log pi = 0; k2 -> sum pi (log pi - log q) grad log pi = grad KL(pi || q);
+    k3 -> sum (pi - q) grad log pi = -sum q grad log pi = grad KL(q || pi)."""
+    theta = torch.tensor([0.3, -0.2, 0.5], dtype=torch.float64, requires_grad=True)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+
+    def grad(f):
+        (g,) = torch.autograd.grad(f(torch.log_softmax(theta, 0)), theta)
+        return g
+
+    def expected(estimator):  # exact expectation: every action weighted by its (detached) probability
+        return lambda logp: (logp.exp().detach() * kl_penalty(logp, q.log(), estimator)).sum()
+
+    forward_kl = grad(lambda logp: (logp.exp() * (logp - q.log())).sum())
+    reverse_kl = grad(lambda logp: (q * (q.log() - logp)).sum())
+    torch.testing.assert_close(grad(expected("k1")), torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(grad(expected("k2")), forward_kl)
+    torch.testing.assert_close(grad(expected("k3")), reverse_kl)
+    assert not torch.allclose(forward_kl, reverse_kl)
 
 
 def test_adaptive_controller_moves_toward_target_and_clips():

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from ppoforge.core.losses import entropy_from_logits, policy_loss, value_loss
+from ppoforge.core.losses import clip_stats, entropy_from_logits, policy_loss, value_loss
 
 
 def test_policy_loss_hand_values():
@@ -32,6 +32,39 @@ def test_policy_loss_mask_ignores_padding_and_no_stats_path():
     # only entry 0: r = e^0.1 = 1.105 < 1.2 -> -1 * 1.105
     torch.testing.assert_close(loss, -torch.exp(torch.tensor(0.1)))
     assert stats == {}
+
+
+# ratios [1.5, 0.5, 1.0, 1.3], adv [1, -1, -2, 1], clip 0.2
+RATIOS, ADV = torch.tensor([1.5, 0.5, 1.0, 1.3]), torch.tensor([1.0, -1.0, -2.0, 1.0])
+
+
+def test_clip_higher_hand_values():
+    logp, old = torch.log(RATIOS), torch.zeros(4)
+    # clip_high 0.4, range [0.8, 1.4]:
+    # e0: max(-1.5, -1.4) = -1.4 (clipped);  e1: max(0.5, 0.8) = 0.8 (clipped);  e2: 2.0;  e3: max(-1.3, -1.3)
+    # loss = (-1.4 + 0.8 + 2.0 - 1.3) / 4 = 0.025; outside the range: e0, e1 -> clipfrac 0.5
+    loss, stats = policy_loss(logp, old, ADV, clip=0.2, clip_high=0.4)
+    torch.testing.assert_close(loss, torch.tensor(0.025))
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.5))
+    # symmetric [0.8, 1.2]: e3 is clipped too: (-1.2 + 0.8 + 2.0 - 1.2) / 4 = 0.1; clipfrac 3 / 4
+    loss, stats = policy_loss(logp, old, ADV, clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor(0.1))
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.75))
+    # `reduce` replaces the mean: the sum of the per-entry losses above, 0.4
+    loss, _ = policy_loss(logp, old, ADV, clip=0.2, reduce=lambda x, mask: x.sum(), with_stats=False)
+    torch.testing.assert_close(loss, torch.tensor(0.4))
+
+
+def test_clip_stats_count_only_active_clipping():
+    logp, old = torch.log(RATIOS), torch.zeros(4)
+    # clip_high 0.4: low = r < 0.8 with A < 0 (e1); high = r > 1.4 with A > 0 (e0)
+    stats = clip_stats(logp, old, ADV, 0.2, 0.4)
+    assert [float(stats[k]) for k in ("low", "high", "region")] == [0.25, 0.25, 0.5]
+    # symmetric: e3 (1.3 > 1.2, A > 0) is high too; a ratio below 0.8 with A > 0 would not count
+    stats = clip_stats(logp, old, ADV, 0.2)
+    assert [float(stats[k]) for k in ("low", "high", "region")] == [0.25, 0.5, 0.75]
+    stats = clip_stats(logp, old, -ADV, 0.2)  # signs flipped: every clipped entry's gradient is live
+    assert [float(stats[k]) for k in ("low", "high", "region")] == [0.0, 0.0, 0.0]
 
 
 def test_value_loss_hand_values_clipped_and_unclipped():

@@ -1,15 +1,21 @@
 """KL penalty estimators and controllers for RLHF (Ziegler et al. 2019; Schulman's k1/k3 note).
 
 The per-token penalty compares the policy to the frozen reference on the sampled tokens:
-k1 = logp - ref_logp (unbiased, can be negative per token); k3 = (r - 1) - log r with r = ref/policy
-(unbiased, always >= 0, lower variance). The controller sets the coefficient beta.
+k1 = logp - ref_logp (unbiased, can be negative per token); k2 = 0.5 * (logp - ref_logp)^2 (biased,
+>= 0, low variance); k3 = (r - 1) - log r with r = ref/policy (unbiased, always >= 0, lower variance).
+The controller sets the coefficient beta.
+
+As a loss term (GRPO's `kl_in: loss`) what matters is the gradient, on tokens the policy sampled:
+E[grad k1] = E[grad log pi] = 0, so k1 pulls nothing in expectation; E[grad k2] is exactly the gradient
+of KL(pi || ref); E[grad k3] is the gradient of the reverse KL(ref || pi) (Tang & Munos 2025, "On a
+few pitfalls in KL divergence gradient estimation for RL"; GRPO and TRL use k3).
 """
 
 from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -17,6 +23,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     log_ratio = logp - ref_logp
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")

@@ -1,0 +1,97 @@
+"""Critic-free advantages for LM policy gradients: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline.
+
+None of these learns a value function. The baseline comes from the other completions of the same
+prompt (GRPO, RLOO, REINFORCE++-baseline) or from whitening over the batch (REINFORCE++). A batch holds
+n prompts x G completions, each prompt's G completions contiguous: rows [kG, (k + 1)G) are prompt k's
+group. Sequence rewards are (B,), per-token ones (B, T) with a 0/1 response mask.
+
+- GRPO (Shao et al. 2024, "DeepSeekMath"), as TRL's GRPOTrainer computes it:
+      A_i = (r_i - mean_group(r)) / (s + 1e-4)
+  with s, by `scale`: `group`, the group's sample std (GRPO); `batch`, the sample std of all B rewards
+  (TRL's `scale_rewards="batch"`); `none`, no division (Dr. GRPO: Liu et al. 2025, "Understanding
+  R1-Zero-Like Training", which finds that the std division up-weights too easy and too hard prompts).
+- RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): A_i = r_i - mean_{j != i} r_j, each
+  completion's baseline the mean of the other G - 1 (unbiased: it does not depend on r_i). `scale`
+  divides it as for GRPO (TRL's RLOO `normalize_advantages`); the paper's RLOO is `none`.
+- REINFORCE++ (Hu 2025, "REINFORCE++", OpenRLHF's `reinforce`): per-token rewards (the score on the last
+  token, -beta * KL_t on every token when the KL is in the reward), their reward-to-go
+  G_t = sum_{s >= t} gamma^(s - t) r_s, whitened over the batch's real tokens.
+- REINFORCE++-baseline (OpenRLHF's `reinforce_baseline`): the same after subtracting each prompt's mean
+  score from its completions' scores (`group_mean`); the caller builds those per-token rewards.
+
+Deliberate difference from OpenRLHF: whitening is `core.stats.whiten` (Bessel-corrected variance, as for
+PPO's GAE advantages) where OpenRLHF divides by the biased one; at a batch's thousands of tokens the two
+differ by far less than the noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppoforge.core.advantages import gae
+from ppoforge.core.stats import whiten
+
+SCALES = ("group", "batch", "none")
+STD_EPS = 1e-4  # TRL's GRPO: a group whose rewards are all equal gets advantages 0, not 0 / 0
+
+
+def groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) -> (B / G, G): row k holds prompt k's G completions."""
+    if group_size < 2 or x.shape[0] % group_size:
+        raise ValueError(f"a batch of {x.shape[0]} is not whole groups of {group_size} >= 2 completions")
+    return x.view(-1, group_size)
+
+
+def group_mean(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) each entry's group mean."""
+    return groups(x, group_size).mean(1).repeat_interleave(group_size)
+
+
+def _scaled(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
+    if scale == "none":
+        return adv
+    if scale == "group":
+        std = groups(rewards, group_size).std(1).repeat_interleave(group_size)
+    elif scale == "batch":
+        std = rewards.std().expand_as(rewards)
+    else:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    return adv / (std + eps)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = STD_EPS
+                    ) -> torch.Tensor:
+    """(B,) A_i = (r_i - mean_group(r)) / (std + eps); see the module docstring for `scale`."""
+    return _scaled(rewards - group_mean(rewards, group_size), rewards, group_size, scale, eps)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none", eps: float = STD_EPS
+                    ) -> torch.Tensor:
+    """(B,) A_i = r_i - (sum_group(r) - r_i) / (G - 1), optionally divided by a std like GRPO's."""
+    sums = groups(rewards, group_size).sum(1).repeat_interleave(group_size)
+    return _scaled(rewards - (sums - rewards) / (group_size - 1), rewards, group_size, scale, eps)
+
+
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """(B, T) G_t = r_t + gamma * G_{t+1} within each response's real tokens, 0 on padding.
+
+    GAE with V = 0 and lambda = 1 is exactly the discounted reward-to-go, so this is `core.gae`'s scan."""
+    rewards = rewards * mask
+    next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
+    done = (1.0 - next_mask).T.contiguous()  # 1 at the last real token and on padding
+    zeros = torch.zeros_like(done)
+    ret, _ = gae(rewards.T.contiguous(), zeros, zeros, done, done, gamma, 1.0)
+    return ret.T * mask
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """(B, T) REINFORCE++: the per-token rewards' reward-to-go, whitened over the batch's real tokens."""
+    return whiten(reward_to_go(rewards, mask, gamma), mask)
+
+
+def group_reward_stats(rewards: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """TRL's GRPO diagnostics: `reward_std`, the mean over groups of the group's sample std, and
+    `frac_reward_zero_std`, the share of groups whose rewards are all equal (advantage 0: no signal)."""
+    std = groups(rewards, group_size).std(1)
+    return {"reward_std": std.mean(),
+            "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean()}
