@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ppoforge.config import param
+from ppoforge.core.accumulation import LOSS_AGGREGATIONS
+from ppoforge.core.critic_free import SCALES
 from ppoforge.core.kl import KL_ESTIMATORS
 from ppoforge.errors import UserError
 from ppoforge.runtime.device import check_device_name
@@ -15,6 +17,8 @@ from ppoforge.runtime.resilience import FaultConfig
 
 LAYOUTS = ("lora", "lora-critic", "full")  # see lm/policy.py
 SCORING_MODES = ("auto", "sampler", "recompute")  # see lm/scoring.py
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # see lm/rollout.py
+GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce_pp_baseline")  # baselines from each prompt's G completions
 MAX_ROLLOUT_TOKENS = 2**26  # the model-specific memory check comes when the model is known (lm/setup.py)
 
 
@@ -54,20 +58,20 @@ class RLHFConfig(FaultConfig):
     top_p: float = param(1.0, "nucleus sampling mass (1: off)", gt=0, hi=1.0)
     stop_tokens: str | None = param(None, "extra stop tokens besides EOS: comma-separated ids or tokens")
     # ---- PPO
-    batch_size: int = param(16, "prompts (= responses) per rollout", lo=1, hi=1_000_000)
+    batch_size: int = param(16, "prompts per rollout (each sampled num_generations times)", lo=1, hi=1_000_000)
     mini_batch_size: int = param(16, "responses per optimizer step", lo=1, hi=1_000_000)
     micro_batch_size: int = param(8, "responses per forward/backward (accumulated to a mini-batch)", lo=1, hi=1_000_000)
     ppo_epochs: int = param(4, "passes over each rollout", lo=1, hi=10_000)
     learning_rate: float = param(1e-4, "AdamW learning rate (full fine-tuning wants ~1e-6)", gt=0, hi=10.0)
     anneal_lr: bool = param(True, "decay the learning rate linearly to 0 over total_updates")
-    gamma: float = param(1.0, "discount over response tokens", lo=0.0, hi=1.0)
+    gamma: float = param(1.0, "discount over response tokens (GAE, REINFORCE++)", lo=0.0, hi=1.0)
     lam: float = param(0.95, "GAE lambda", lo=0.0, hi=1.0)
     clip: float = param(0.2, "PPO ratio clip epsilon", gt=0, hi=100.0)
     value_clip: float | None = param(0.2, "clip values to old values +- this (none: no value clipping)", gt=0, hi=1e6)
-    vf_coef: float = param(0.1, "value loss coefficient", lo=0.0, hi=1e4)
+    vf_coef: float = param(0.1, "value loss coefficient (gae)", lo=0.0, hi=1e4)
     ent_coef: float = param(0.0, "entropy bonus coefficient", lo=0.0, hi=1e4)
-    kl_coef: float = param(0.05, "initial KL penalty coefficient beta", lo=0.0, hi=1e4)
-    kl_estimator: str = param("k1", "per-token KL estimator in the reward", choices=KL_ESTIMATORS)
+    kl_coef: float = param(0.05, "initial KL coefficient beta (0: no KL term and no reference pass)", lo=0.0, hi=1e4)
+    kl_estimator: str = param("k1", "per-token KL estimator (in the reward or the loss: kl_in)", choices=KL_ESTIMATORS)
     kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0, hi=1e6)
     kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1, hi=10**12)
     old_logprobs: str = param("auto", "where old log-probs, values and the reference come from: sampler (the "
@@ -77,6 +81,24 @@ class RLHFConfig(FaultConfig):
                               choices=SCORING_MODES, resume=True)
     whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
     max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0, hi=1e9)
+    # ---- critic-free estimators (GRPO, RLOO, REINFORCE++) and their loss options (docs/rlhf.md)
+    advantage: str = param("gae", "advantage estimator: gae (PPO, with a critic); critic-free: grpo and rloo "
+                           "(each prompt's num_generations completions as baseline), reinforce_pp (REINFORCE++: "
+                           "whitened reward-to-go), reinforce_pp_baseline (group-centered score, then that)",
+                           choices=ADVANTAGES)
+    num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
+                                 "each prompt's G in a row", lo=1, hi=65536)
+    scale_rewards: str = param("auto", "grpo/rloo: divide advantages by each group's reward std (group), the "
+                               "batch's (batch) or not at all (none: Dr. GRPO); auto: group for grpo, none for rloo",
+                               choices=("auto", *SCALES))
+    loss_agg: str = param("token_mean", "how per-token losses make a mini-batch's loss: token_mean; "
+                          "seq_mean_token_mean (mean of each response's token mean: GRPO's); seq_sum_norm (sum / "
+                          "(responses x max_new_tokens): Dr. GRPO's)", choices=LOSS_AGGREGATIONS)
+    kl_in: str = param("reward", "where the KL to the reference acts: reward (-beta KL_t in each token's reward, "
+                       "PPO's) or loss (+beta KL_t aggregated like the policy loss, GRPO's)",
+                       choices=("reward", "loss"))
+    clip_high: float | None = param(None, "upper ratio clip 1 + this, DAPO's clip-higher (none: 1 + clip)",
+                                    gt=0, hi=100.0)
     # ---- run
     total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1, hi=10**9, resume=True)
     seed: int = param(1, "seed for sampling, data order and initialization", lo=0, hi=2**32 - 1)
@@ -100,21 +122,65 @@ class RLHFConfig(FaultConfig):
     tensorboard: bool = param(True, "also write TensorBoard event files", resume=True)
     progress: bool = param(True, "show a live progress bar", resume=True)
 
+    @property
+    def rollout_size(self) -> int:
+        """Responses per rollout: batch_size prompts x num_generations completions each."""
+        return self.batch_size * self.num_generations
+
+    @property
+    def has_critic(self) -> bool:
+        """Only GAE learns a value function; the critic-free estimators build no critic at all."""
+        return self.advantage == "gae"
+
+    @property
+    def reward_scale(self) -> str:
+        """`scale_rewards` resolved: auto is group for grpo (TRL's default), none for the rest (RLOO's paper)."""
+        if self.scale_rewards != "auto":
+            return self.scale_rewards
+        return "group" if self.advantage == "grpo" else "none"
+
     def finalize(self) -> None:
         check_device_name(self.device)
-        tokens = self.batch_size * (self.max_prompt_tokens + self.max_new_tokens)
+        tokens = self.rollout_size * (self.max_prompt_tokens + self.max_new_tokens)
         if tokens > MAX_ROLLOUT_TOKENS:
-            raise UserError(f"batch_size: {self.batch_size} x (max_prompt_tokens + max_new_tokens) = {tokens:,} tokens "
-                            f"per rollout; allowed: <= {MAX_ROLLOUT_TOKENS:,}")
-        if self.batch_size % self.mini_batch_size:
-            raise UserError(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size "
-                            f"{self.batch_size}; allowed: a divisor of batch_size")
+            raise UserError(f"batch_size: {self.batch_size} x num_generations {self.num_generations} x "
+                            f"(max_prompt_tokens + max_new_tokens) = {tokens:,} tokens per rollout; allowed: "
+                            f"<= {MAX_ROLLOUT_TOKENS:,}")
+        rollout = (f"batch_size {self.batch_size}" if self.num_generations == 1 else
+                   f"batch_size x num_generations = {self.rollout_size}")
+        if self.rollout_size % self.mini_batch_size:
+            raise UserError(f"mini_batch_size: {self.mini_batch_size} does not divide {rollout}; allowed: a "
+                            "divisor of it")
         if self.mini_batch_size % self.micro_batch_size:
             raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide mini_batch_size "
                             f"{self.mini_batch_size}; allowed: a divisor of mini_batch_size")
         if self.critic_model is not None and self.layout != "full":
             raise UserError(f"critic_model: only the full layout has a separate critic model; allowed: none "
                             f"with layout {self.layout}")
+        self._check_estimator()
+
+    def _check_estimator(self) -> None:
+        """Combinations of the advantage estimator, its KL and its critic that cannot work."""
+        adv = self.advantage
+        if adv in GROUP_ADVANTAGES and self.num_generations < 2:
+            raise UserError(f"num_generations: {self.num_generations} with advantage {adv}, whose baseline is "
+                            "the other completions of the same prompt; allowed: >= 2")
+        if self.scale_rewards != "auto" and adv not in ("grpo", "rloo"):
+            raise UserError(f"scale_rewards: {self.scale_rewards} applies to grpo and rloo; allowed with "
+                            f"advantage {adv}: auto" + (" (it whitens over the batch itself)" if adv != "gae" else ""))
+        if not self.has_critic and self.layout == "lora-critic":
+            raise UserError(f"layout: lora-critic trains a critic adapter, which advantage {adv} does not use; "
+                            "allowed: lora or full")
+        if not self.has_critic and self.critic_model is not None:
+            raise UserError(f"critic_model: advantage {adv} has no critic; allowed: none (or advantage gae)")
+        if not self.has_critic and self.whiten_rewards:
+            raise UserError(f"whiten_rewards: whitens GAE's per-token rewards; allowed with advantage {adv}: false")
+        if self.kl_in == "loss" and self.kl_estimator == "k1" and self.kl_coef:
+            raise UserError("kl_estimator: k1 as a loss term has zero expected gradient (E[grad log pi] = 0); "
+                            "allowed with kl_in loss: k2 or k3")
+        if self.kl_target is not None and not self.kl_coef:
+            raise UserError("kl_target: the adaptive controller scales kl_coef, which is 0 (no reference pass); "
+                            "allowed: none with kl_coef 0, or kl_coef > 0")
 
 
 @dataclass

@@ -8,6 +8,9 @@
 - `full`: every policy weight trains; a frozen copy is the reference and the critic is its own
   backbone copy (from the policy, or from a reward model together with its score head).
 
+With `critic=False` (the critic-free estimators: GRPO, RLOO, REINFORCE++) a layout has no value head
+and no critic backbone at all: `forward` returns values None and only the policy's weights train.
+
 Every layout runs the backbone (`lm.base_model`) itself and returns the hidden states of the positions
 that predict response tokens; the trainer applies the LM head (`logits`) to them in row chunks, so
 prompt positions never cost a (P, V) projection and scoring never holds a (B, T, V) tensor. Everything
@@ -158,7 +161,8 @@ class Layout(Protocol):
     def decoder(self) -> contextlib.AbstractContextManager[Decoder]: ...  # the policy, for the sampler
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int
-                ) -> tuple[torch.Tensor, torch.Tensor]: ...  # policy hidden (B, T, H), values (B, T) fp32
+                ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # policy hidden (B, T, H), values (B, T)
+    #   fp32 (None without a critic)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # policy LM head: (..., H) -> (..., V)
 
@@ -181,7 +185,7 @@ class LoraLayout:
     """`lora` (value head on the policy's trunk) and, with `critic_adapter`, `lora-critic`."""
 
     def __init__(self, base: nn.Module, r: int, alpha: float, target_modules: str | list[str],
-                 critic_adapter: bool = False, decoder: str = "auto"):
+                 critic_adapter: bool = False, decoder: str = "auto", critic: bool = True):
         from peft import LoraConfig, get_peft_model
 
         _freeze(base)
@@ -195,9 +199,10 @@ class LoraLayout:
         self.policy_model = self.peft.get_base_model()  # the HF model with adapters injected
         self.backbone = self.policy_model.base_model
         device = next(base.parameters()).device
-        self.value_head = ValueHead(base.config.hidden_size).to(device).eval()
+        self.value_head = ValueHead(base.config.hidden_size).to(device).eval() if critic else None
         self._trainable = [(n, p) for n, p in self.peft.named_parameters() if "lora_" in n]
-        self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
+        if critic:
+            self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
         self._use_adapter("default")
         # The lean decoder, kept: it prepares the frozen base's weights once for every rollout and
         # reference pass.
@@ -258,6 +263,8 @@ class LoraLayout:
 
     def forward(self, ids, mask, n_resp):
         hidden = response_hidden(self.backbone, ids, mask, n_resp)
+        if self.value_head is None:
+            return hidden, None
         critic_hidden = self._critic_hidden(ids, mask, n_resp) if self.critic_adapter else hidden
         return hidden, self.value_head(critic_hidden)
 
@@ -267,7 +274,7 @@ class LoraLayout:
         return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
 
     def sampled_values(self, hidden):
-        return None if self.critic_adapter else self.value_head(hidden)
+        return None if self.critic_adapter or self.value_head is None else self.value_head(hidden)
 
     def logits(self, hidden):
         return self.policy_model.get_output_embeddings()(hidden)
@@ -295,18 +302,19 @@ class LoraLayout:
 
 
 class FullLayout:
-    def __init__(self, policy: nn.Module, reference: nn.Module, critic_backbone: nn.Module,
-                 value_head: ValueHead, decoder: str = "auto"):
+    def __init__(self, policy: nn.Module, reference: nn.Module, critic_backbone: nn.Module | None,
+                 value_head: ValueHead | None, decoder: str = "auto"):
         self.policy_model = policy.eval()
         self.policy_backbone = policy.base_model
         self.reference = _freeze(reference)
-        self.critic = critic_backbone.eval()
-        self.value_head = value_head.eval()
+        self.critic = None if critic_backbone is None else critic_backbone.eval()
+        self.value_head = None if value_head is None else value_head.eval()
         self.lean = _use_lean(decoder, self)
         self.fast_ref_forward = None  # the reference is its own model: only the plain pass
         self._trainable = [(f"policy.{n}", p) for n, p in policy.named_parameters()]
-        self._trainable += [(f"critic.{n}", p) for n, p in self.critic.named_parameters()]
-        self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
+        if self.critic is not None:
+            self._trainable += [(f"critic.{n}", p) for n, p in self.critic.named_parameters()]
+            self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
         for _, p in self._trainable:
             p.requires_grad_(True)
 
@@ -318,7 +326,7 @@ class FullLayout:
         return contextlib.nullcontext(LlamaDecoder(self.policy_model) if self.lean else HFDecoder(self.policy_model))
 
     def forward(self, ids, mask, n_resp):
-        values = self.value_head(response_hidden(self.critic, ids, mask, n_resp))
+        values = None if self.critic is None else self.values(ids, mask, n_resp)
         return response_hidden(self.policy_backbone, ids, mask, n_resp), values
 
     def values(self, ids, mask, n_resp):
@@ -344,32 +352,35 @@ class FullLayout:
 
 
 def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, critic_adapter: bool = False,
-               gradient_checkpointing: bool = False, decoder: str = "auto") -> LoraLayout:
-    """LoRA layout over an already loaded causal LM (it is frozen in place)."""
+               gradient_checkpointing: bool = False, decoder: str = "auto", critic: bool = True) -> LoraLayout:
+    """LoRA layout over an already loaded causal LM (it is frozen in place); `critic=False`: no value head."""
     targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
-    layout = LoraLayout(base, r, alpha, targets, critic_adapter, decoder)
+    layout = LoraLayout(base, r, alpha, targets, critic_adapter, decoder, critic)
     if gradient_checkpointing:
         enable_gradient_checkpointing(layout.policy_model, layout.recompute_with_the_same_adapter)
     return layout
 
 
 def build_full(policy: nn.Module, reference: nn.Module, critic_source: nn.Module | None = None,
-               gradient_checkpointing: bool = False, decoder: str = "auto") -> FullLayout:
+               gradient_checkpointing: bool = False, decoder: str = "auto", critic: bool = True) -> FullLayout:
     """Full layout. The critic's backbone is a copy of `critic_source`'s (default: the policy's); a
     reward model as the source also gives the value head its score head (TRL starts the value model
-    from the whole reward model)."""
-    critic = copy.deepcopy((critic_source or policy).base_model)
-    head = ValueHead(critic.config.hidden_size).to(next(policy.parameters()).device)
-    if critic_source is not None:
+    from the whole reward model). `critic=False`: no critic copy and no value head."""
+    backbone = head = None
+    if critic:
+        backbone = copy.deepcopy((critic_source or policy).base_model)
+        head = ValueHead(backbone.config.hidden_size).to(next(policy.parameters()).device)
+    if critic and critic_source is not None:
         score = getattr(critic_source, "score", None)
         if not (isinstance(score, nn.Linear) and score.out_features == 1):
             raise UserError("critic_model: its sequence-classification head is not a (hidden -> 1) `score` "
                             "Linear; allowed: a causal-LM reward model (e.g. LlamaForSequenceClassification)")
         head.from_score_head(score)
-    layout = FullLayout(policy, reference, critic, head, decoder)
+    layout = FullLayout(policy, reference, backbone, head, decoder)
     if gradient_checkpointing:
         enable_gradient_checkpointing(policy)
-        enable_gradient_checkpointing(critic)
+        if backbone is not None:
+            enable_gradient_checkpointing(backbone)
     return layout
 
 

@@ -2,16 +2,33 @@
 
 Shapes: B responses, P prompt tokens (left-padded), T response tokens (right-padded). All the
 sequence tensors are batch-major (B, ...); GAE runs time-major, so `advantages` transposes.
+
+`ESTIMATORS` maps `advantage` to one function (rollout, per-token KL rewards, config) -> (advantages
+(B, T), returns or None): GAE with the critic's values, or a critic-free estimator of
+`core/critic_free.py` over the whole rollout, whose groups are contiguous rows (G completions of a
+prompt in a row). The trainer calls it before PPO shuffles the rollout into mini-batches, so a group's
+statistics always see all of its completions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from ppoforge.core.advantages import gae
+from ppoforge.core.critic_free import (
+    group_mean,
+    group_reward_stats,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from ppoforge.core.stats import whiten
+
+if TYPE_CHECKING:
+    from ppoforge.lm.config import RLHFConfig
 
 
 @dataclass
@@ -21,11 +38,12 @@ class Rollout:
     resp: torch.Tensor       # (B, T) response ids, right-padded
     resp_mask: torch.Tensor  # (B, T) float 0/1: up to and including the first stop token
     logp: torch.Tensor       # (B, T) fp32 log-probs under the policy that sampled
-    ref_logp: torch.Tensor   # (B, T) fp32 log-probs under the reference
-    values: torch.Tensor     # (B, T) fp32 V(prefix before each response token), 0 on padding
+    ref_logp: torch.Tensor | None  # (B, T) fp32 log-probs under the reference (None: kl_coef 0, no pass)
+    values: torch.Tensor | None    # (B, T) fp32 V(prefix before each response token), 0 on padding
+    #                                (None: a critic-free estimator)
     scores: torch.Tensor     # (B,) reward-function scores
-    adv: torch.Tensor | None = None  # (B, T) whitened GAE advantages
-    ret: torch.Tensor | None = None  # (B, T) returns = GAE advantages + values
+    adv: torch.Tensor | None = None  # (B, T) advantages: whitened GAE, or the critic-free estimator's
+    ret: torch.Tensor | None = None  # (B, T) returns = GAE advantages + values (GAE only)
 
     def detached(self) -> Rollout:
         """A copy usable by autograd: inference-mode tensors cannot be saved for backward."""
@@ -56,17 +74,45 @@ def right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     return ids.to(device), mask.to(device)
 
 
+def non_score_rewards(kl: torch.Tensor, resp_mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """(B, T) -beta * KL_t on every response token, 0 on padding."""
+    return -beta * kl * resp_mask
+
+
+def with_scores(non_score: torch.Tensor, scores: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) the per-token rewards `non_score` plus each response's score (B,) on its last real token."""
+    last = resp_mask.sum(1).long().clamp(min=1) - 1  # (B,) index of the last real token
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores
+    return rewards
+
+
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, resp_mask: torch.Tensor, beta: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ziegler et al.: r_t = -beta * KL_t on every response token, plus the score on the last one.
 
     Returns (rewards, non_score_rewards), both (B, T) and 0 on padding.
     """
-    non_score = -beta * kl * resp_mask
-    last = resp_mask.sum(1).long().clamp(min=1) - 1  # (B,) index of the last real token
-    rewards = non_score.clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores
-    return rewards, non_score
+    non_score = non_score_rewards(kl, resp_mask, beta)
+    return with_scores(non_score, scores, resp_mask), non_score
+
+
+def rollout_metrics(b: Rollout, finished: torch.Tensor, kl: torch.Tensor, non_score: torch.Tensor,
+                    group_size: int) -> dict[str, torch.Tensor]:
+    """TRL's PPO `objective/` names and its GRPO ones (`reward`, `completions/clipped_ratio`, and with
+    groups `reward_std`, `frac_reward_zero_std`); no `objective/kl` without a reference pass."""
+    out = {"objective/entropy": -b.logp.sum(1).mean(),
+           "objective/non_score_reward": non_score.sum(1).mean(),
+           "objective/rlhf_reward": (b.scores + non_score.sum(1)).mean(),
+           "objective/scores": b.scores.mean(),
+           "val/num_eos_tokens": finished.sum().float(),
+           "objective/response_length": b.resp_mask.sum(1).mean(),
+           "reward": b.scores.mean(), "completions/clipped_ratio": 1.0 - finished.float().mean()}
+    if b.ref_logp is not None:
+        out["objective/kl"] = kl.sum(1).mean()
+    if group_size > 1:
+        out |= group_reward_stats(b.scores, group_size)
+    return out
 
 
 def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Tensor, gamma: float,
@@ -85,3 +131,43 @@ def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Ten
                    done.T.contiguous(), done.T.contiguous(), gamma, lam)
     adv, ret = adv.T * resp_mask, ret.T * resp_mask
     return whiten(adv, resp_mask), ret
+
+
+# ---- the estimators: (rollout, per-token KL rewards (B, T), config) -> (advantages (B, T), returns | None)
+
+def gae_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
+    """PPO: GAE over the per-token rewards with the critic's values, whitened."""
+    rewards = with_scores(non_score, b.scores, b.resp_mask)
+    return advantages(rewards, b.values, b.resp_mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+
+
+def _sequence_rewards(b: Rollout, non_score: torch.Tensor) -> torch.Tensor:
+    """(B,) score - beta * sum_t KL_t (just the score with kl_in: loss), as TRL's RLOO."""
+    return b.scores + non_score.sum(1)
+
+
+def grpo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
+    """GRPO: each response's group-normalized reward on every one of its tokens."""
+    adv = grpo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale)
+    return adv[:, None] * b.resp_mask, None
+
+
+def rloo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
+    """RLOO: each response's reward minus the mean of its group's others, on every one of its tokens."""
+    adv = rloo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale)
+    return adv[:, None] * b.resp_mask, None
+
+
+def reinforce_pp_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
+    """REINFORCE++: the per-token rewards' reward-to-go, whitened over the rollout's tokens."""
+    return reinforce_pp_advantages(with_scores(non_score, b.scores, b.resp_mask), b.resp_mask, cfg.gamma), None
+
+
+def reinforce_pp_baseline_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
+    """REINFORCE++-baseline: REINFORCE++ with each score minus its group's mean score."""
+    centered = b.scores - group_mean(b.scores, cfg.num_generations)
+    return reinforce_pp_advantages(with_scores(non_score, centered, b.resp_mask), b.resp_mask, cfg.gamma), None
+
+
+ESTIMATORS = {"gae": gae_estimate, "grpo": grpo_estimate, "rloo": rloo_estimate,
+              "reinforce_pp": reinforce_pp_estimate, "reinforce_pp_baseline": reinforce_pp_baseline_estimate}

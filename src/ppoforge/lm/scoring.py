@@ -10,6 +10,9 @@ rest of the run, separately for the policy and the reference. Whether they agree
 not on the code: measured on CPU, bf16 with eager attention is exact on torch 2.6 and 2.13; fp32 is not
 (an fp32 GEMM of the decode's B rows rounds differently from the forward's B * T rows, ~5e-7), nor is
 SDPA; GPUs are another set of kernels again.
+
+Without a critic (the critic-free estimators) there are no values: None, and no critic pass; without
+a KL term (`kl_coef: 0`) there is no reference pass: its log-probs are None.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from ppoforge.lm.sampler import Samples
 
 
 class RolloutScoring:
-    """Call it on a rollout: (old logp, values, ref logp), (B, T) fp32 each, under the caller's autocast."""
+    """Call it on a rollout: (old logp, values, ref logp), (B, T) fp32 each, under the caller's autocast;
+    values None without a critic, ref logp None without a reference (`reference=False`)."""
 
-    def __init__(self, layout: Layout, mode: str, temperature: float, chunk_rows: int, where: str):
+    def __init__(self, layout: Layout, mode: str, temperature: float, chunk_rows: int, where: str,
+                 critic: bool = True, reference: bool = True):
         self.layout, self.temperature, self.chunk_rows, self.where = layout, temperature, chunk_rows, where
+        self.critic, self.reference = critic, reference
         trust = {"sampler": True, "recompute": False, "auto": None}[mode]
         self.fast_policy = trust  # None: decided on the first rollout
         self.fast_reference = trust if layout.fast_ref_forward is not None else False
@@ -39,6 +45,8 @@ class RolloutScoring:
             self.fast_policy = self._same("policy", (logp, values), fast, m, ("log-probs", "values"))
         else:
             logp, values = (self._policy_fast if self.fast_policy else self._policy_plain)(ids, mask, samples)
+        if not self.reference:
+            return logp, values, None
         if self.fast_reference is None:
             ref = self._reference(ids, mask, samples, self.layout.ref_forward)
             fast = self._reference(ids, mask, samples, self.layout.fast_ref_forward)
@@ -61,7 +69,9 @@ class RolloutScoring:
 
     def _policy_fast(self, ids, mask, samples: Samples):
         """The sampler's log-probs; values from its hidden states where the value head reads the policy's
-        trunk, else from the critic's own pass."""
+        trunk, else from the critic's own pass (none without a critic)."""
+        if not self.critic:
+            return samples.logp, None
         values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
         if values is None:
             values = self.layout.values(ids, mask, samples.response_ids.shape[1])
@@ -72,8 +82,10 @@ class RolloutScoring:
         return self._logprobs(self.layout.ref_logits, hidden, samples.response_ids)
 
     def _same(self, what: str, plain, fast, m: torch.Tensor, names: tuple[str, ...]) -> bool:
-        """Bit for bit on real tokens? If not, say so once on stderr (the run then recomputes them)."""
-        gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(names, plain, fast, strict=True)}
+        """Bit for bit on real tokens (values None: no critic)? If not, say so once on stderr (the run then
+        recomputes them)."""
+        gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(names, plain, fast, strict=True)
+                if p is not None}
         if all(g == 0 for g in gaps.values()):
             return True
         diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap)

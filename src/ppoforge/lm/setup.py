@@ -96,12 +96,12 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) 
     if cfg.layout in ("lora", "lora-critic"):
         base = load_causal_lm(cfg.model, frozen_dtype, device, **kw)
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.layout == "lora-critic",
-                          cfg.gradient_checkpointing, cfg.decoder)
+                          cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
     policy = load_causal_lm(cfg.model, torch.float32, device, **kw)
     # the reference as the fp32 policy computes under autocast: Linear weights in its dtype, the rest fp32
     reference = cast_linears(load_causal_lm(cfg.model, torch.float32, device, **kw), frozen_dtype)
     critic = load_reward_model(cfg.critic_model, torch.float32, device, **kw) if cfg.critic_model else None
-    return build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder)
+    return build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
 
 
 def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:

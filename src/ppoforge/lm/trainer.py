@@ -10,8 +10,14 @@ Deliberate differences from TRL: the model layouts (`policy.py`: LoRA with the r
 off, no second copy), our own KV-cache decode loop (which also hands over the values when the value
 head reads the policy's trunk), and micro-batch losses weighted by their share of the mini-batch's
 tokens (`core/accumulation.py`) so that gradient accumulation gives exactly the mini-batch gradient.
+Critic-free estimators (`advantage`: grpo, rloo, reinforce_pp, reinforce_pp_baseline; `lm/rollout.py`,
+`core/critic_free.py`) reuse the same loop without a critic: each prompt is sampled `num_generations`
+times in a row, the advantages come from the whole rollout's groups before the mini-batch shuffle, no
+value head exists and no value loss is computed; the KL can sit in the loss (`kl_in: loss`, GRPO's),
+the loss can be aggregated per sequence (`loss_agg`, `core/accumulation.py`) and the clip can be
+asymmetric (`clip_high`, DAPO's). `kl_coef: 0` skips the reference pass.
 Left out: reward-model training, multi-process training, value-head warm-up, per-token entropy
-regularization beyond `ent_coef`.
+regularization beyond `ent_coef`, DAPO's dynamic sampling and overlong shaping.
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ import numpy as np
 import torch
 
 from ppoforge.config import config_to_dict, save_config
-from ppoforge.core.accumulation import token_share
+from ppoforge.core.accumulation import loss_aggregation, token_share, unit_share
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from ppoforge.core.losses import policy_loss, value_loss
+from ppoforge.core.losses import clip_stats, policy_loss, value_loss
 from ppoforge.core.stats import masked_mean
 from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.logprobs import token_logprobs
-from ppoforge.lm.rollout import Rollout, advantages, left_pad, token_rewards
+from ppoforge.lm.rollout import ESTIMATORS, Rollout, left_pad, non_score_rewards, rollout_metrics
 from ppoforge.lm.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
 from ppoforge.lm.scoring import RolloutScoring
 from ppoforge.lm.setup import Components, build_components
@@ -45,8 +51,18 @@ from ppoforge.runtime.timeouts import call_with_timeout
 
 CHECKPOINT = "checkpoint.pt"
 TABLE_ROWS = 8  # completions shown in TensorBoard per logging step (all of them go to completions.jsonl)
-STAT_KEYS = ("loss/policy_avg", "loss/value_avg", "policy/entropy_avg", "policy/approxkl_avg",
-             "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio")
+LOSS_KEYS = ("loss/policy_avg", "loss/value_avg")  # weighted by the micro-batch's share of the loss units
+TOKEN_KEYS = ("policy/entropy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio",
+              "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")  # by its tokens
+CRITIC_KEYS = ("loss/value_avg", "val/clipfrac_avg")
+
+
+def stat_keys(cfg: RLHFConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(loss keys, token keys) an update reports: no critic, no value stats; `kl` with kl_in: loss only."""
+    dropped = set() if cfg.has_critic else set(CRITIC_KEYS)
+    if not (cfg.kl_in == "loss" and cfg.kl_coef):
+        dropped.add("kl")
+    return tuple(k for k in LOSS_KEYS if k not in dropped), tuple(k for k in TOKEN_KEYS if k not in dropped)
 
 
 @dataclass
@@ -76,14 +92,19 @@ class RLHFTrainer:
         self.sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                                        self.parts.stop_ids, self.tokenizer.pad_token_id)
         where = f"{self.parts.device.type} / {self.precision.name} / {self.policy_attention()} attention"
-        self.scoring = RolloutScoring(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where)
+        self.scoring = RolloutScoring(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
+                                      critic=cfg.has_critic, reference=cfg.kl_coef > 0)
+        self.estimate = ESTIMATORS[cfg.advantage]  # (rollout, KL rewards, cfg) -> (advantages, returns)
+        self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens)  # (reduce, units) of every loss term
+        self.kl_loss = cfg.kl_in == "loss" and cfg.kl_coef > 0
+        self.loss_keys, self.token_keys = stat_keys(cfg)
         self.gen = torch.Generator(self.parts.device).manual_seed(cfg.seed)
         self.update = 0   # completed updates
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
         self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
         self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
         self.lr_scale = 1.0  # lowered by each non-finite rollback
-        self.micro_batch, self.gen_batch = cfg.micro_batch_size, cfg.batch_size  # halved on out-of-memory
+        self.micro_batch, self.gen_batch = cfg.micro_batch_size, cfg.rollout_size  # halved on out-of-memory
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train rlhf --resume {self.run_dir}")
 
@@ -175,62 +196,86 @@ class RLHFTrainer:
     @torch.inference_mode()
     def logprobs_and_values(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
         """The rollout with its old log-probs and values and the reference log-probs, all fp32
-        (from the sampler where that is exact: see `lm/scoring.py`)."""
+        (from the sampler where that is exact: see `lm/scoring.py`); values None without a critic,
+        reference log-probs None without a KL term."""
         with self.precision.autocast():
             logp, values, ref_logp = self.scoring(ids, mask, samples)
         m = samples.response_mask
-        return Rollout(ids, mask, samples.response_ids, m, logp * m, ref_logp * m, values * m, scores)
+        return Rollout(ids, mask, samples.response_ids, m, logp * m, _masked(ref_logp, m), _masked(values, m), scores)
+
+    def rollout_kl(self, b: Rollout) -> torch.Tensor:
+        """(B, T) per-token KL of the sampling policy to the reference; 0 without a reference pass."""
+        if b.ref_logp is None:
+            return torch.zeros_like(b.logp)
+        return kl_penalty(b.logp, b.ref_logp, self.cfg.kl_estimator) * b.resp_mask
 
     # ---- update -------------------------------------------------------------------------------------
     def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
-        """ppo_epochs x shuffled mini-batches x accumulated micro-batches; token-weighted mean stats.
-        A step whose loss or gradient norm is not finite is skipped (the guard counts it)."""
-        cfg = self.cfg
-        totals, n_mini = torch.zeros(len(STAT_KEYS), device=b.resp.device), 0
+        """ppo_epochs x shuffled mini-batches x accumulated micro-batches; loss-unit-weighted loss stats,
+        token-weighted other stats. A step whose loss or gradient norm is not finite is skipped (the guard
+        counts it)."""
+        cfg, keys = self.cfg, self.loss_keys + self.token_keys
+        totals, n_mini = torch.zeros(1 + len(keys), device=b.resp.device), 0
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(b.resp.shape[0], generator=self.gen, device=self.gen.device).to(b.resp.device)
             for mb in order.split(cfg.mini_batch_size):
-                stats = self._mini_batch_gradients(b, mb)
+                sums = self._mini_batch_gradients(b, mb)  # (total loss, *stats in `keys` order)
                 norm = self.precision.clip(self.optimizer, self.params, cfg.max_grad_norm)
-                ok = self.guard.step_ok(stats[0] + cfg.vf_coef * stats[1], norm, self.precision.scaler is not None)
+                ok = self.guard.step_ok(sums[0], norm, self.precision.scaler is not None)
                 self.optimizing = True
                 self.precision.apply(self.optimizer, skip=not ok)
-                totals += stats if ok else 0
+                totals += sums if ok else 0
                 n_mini += ok
-        return dict(zip(STAT_KEYS, totals / max(n_mini, 1), strict=True))
+        return dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
 
     def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor) -> torch.Tensor:
         """The mini-batch's gradients in .grad, accumulated over micro-batches of `micro_batch` rows (halved
-        and redone on out-of-memory: the token shares keep the sum the same); its token-weighted stats."""
-        mb_tokens = b.resp_mask[mb].sum()
+        and redone on out-of-memory: the shares keep the sum the same); its weighted loss and stats. The
+        loss's normalizer (the mini-batch's tokens or sequences, `loss_agg`) is counted once, here."""
+        mb_mask = b.resp_mask[mb]
+        mb_units, mb_tokens = self.agg.units(mb_mask), mb_mask.sum()
         while True:
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 with self.precision.weight_cache():
-                    return sum(self._micro_batch(b, micro, mb_tokens) for micro in mb.split(self.micro_batch))
+                    return sum(self._micro_batch(b, micro, mb_units, mb_tokens) for micro in mb.split(self.micro_batch))
             except Exception as e:
                 if not is_oom(e):
                     raise
                 self.micro_batch = halve(self.micro_batch, "micro-batch", e)
 
-    def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward/backward of rows `micro`, its loss weighted by its token share; its weighted stats."""
-        cfg, n_resp, m = self.cfg, b.resp.shape[1], b.resp_mask[micro]
+    def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_units: torch.Tensor, mb_tokens: torch.Tensor
+                     ) -> torch.Tensor:
+        """Forward/backward of rows `micro`, its loss weighted by its share of the mini-batch's loss units;
+        (its weighted total loss, its weighted stats)."""
+        cfg, n_resp, m, reduce = self.cfg, b.resp.shape[1], b.resp_mask[micro], self.agg.reduce
         with self.precision.autocast():
             hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
             logits = self.layout.logits(hidden)
         with self.precision.full_precision():
             logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
-            pg_loss, pg = policy_loss(logp, b.logp[micro], b.adv[micro], cfg.clip, m)
-            v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m)
+            old_logp, adv = b.logp[micro], b.adv[micro]
+            pg_loss, pg = policy_loss(logp, old_logp, adv, cfg.clip, m, clip_high=cfg.clip_high, reduce=reduce)
+            clipped = clip_stats(logp, old_logp, adv, cfg.clip, cfg.clip_high, m)
             ent = masked_mean(entropy, m)
-            share = token_share(m, mb_tokens)  # the accumulated gradient is the mini-batch token mean
-            loss = pg_loss + cfg.vf_coef * v_loss
+            loss, stats = pg_loss, {"loss/policy_avg": pg_loss.detach(), "policy/entropy_avg": ent.detach(),
+                                    "policy/approxkl_avg": pg["approx_kl"], "policy/clipfrac_avg": pg["clipfrac"],
+                                    "val/ratio": pg["ratio"], **{f"clip_ratio/{k}_mean": v for k, v in clipped.items()}}
+            if values is not None:  # GAE's critic
+                v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m, reduce=reduce)
+                loss = loss + cfg.vf_coef * v_loss
+                stats |= {"loss/value_avg": v_loss.detach(), "val/clipfrac_avg": vs["clipfrac"]}
+            if self.kl_loss:  # GRPO's: beta * KL_t of the current policy, aggregated like the policy loss
+                kl = kl_penalty(logp, b.ref_logp[micro], cfg.kl_estimator)
+                loss = loss + self.kl_ctl.value * reduce(kl, m)
+                stats["kl"] = masked_mean(kl.detach(), m)
             if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
-                loss = loss - cfg.ent_coef * ent
+                loss = loss - cfg.ent_coef * reduce(entropy, m)
+            share = unit_share(self.agg.units(m), mb_units)  # the accumulated gradient is the mini-batch's loss
             self.precision.backward(loss * share)
-        return share * torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), pg["approx_kl"],
-                                    pg["clipfrac"], vs["clipfrac"], pg["ratio"]])
+        tokens = token_share(m, mb_tokens)
+        return torch.cat([share * torch.stack([loss.detach(), *(stats[k] for k in self.loss_keys)]),
+                          tokens * torch.stack([stats[k] for k in self.token_keys])])
 
     def train_one_update(self) -> tuple[dict, list[dict]]:
         """One PPO update; returns its metrics and the completion rows for the table."""
@@ -238,8 +283,8 @@ class RLHFTrainer:
         lr = cfg.learning_rate * self.lr_scale * ((1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # 1. prompts -> responses (eval mode, no grad, KV cache)
-        idx = self.next_prompts()
+        # 1. prompts -> responses (eval mode, no grad, KV cache); each prompt num_generations times in a row
+        idx = [i for i in self.next_prompts() for _ in range(cfg.num_generations)]
         rows = [self.parts.rows[i] for i in idx]
         ids, prompt_mask, samples = self.generate([self.parts.prompt_ids[i] for i in idx], self.gen)
         gen_s = time.perf_counter() - start
@@ -248,30 +293,27 @@ class RLHFTrainer:
         finite, scores = self.guard.rewards_ok(self.score(rows, texts, samples), cfg.reward_clip)
         mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
         b = self.logprobs_and_values(ids, mask, samples, scores).detached()
-        # 3. per-token rewards (-beta * KL, score at the last token) -> GAE -> whitened advantages
+        # 3. advantages over the whole rollout, before PPO shuffles it: per-token rewards (-beta * KL with
+        #    kl_in: reward, the score at the last token) -> GAE, or a critic-free estimator (its groups)
         beta = self.kl_ctl.value
-        kl = kl_penalty(b.logp, b.ref_logp, cfg.kl_estimator) * b.resp_mask
-        rewards, non_score = token_rewards(b.scores, kl, b.resp_mask, beta)
-        b.adv, b.ret = advantages(rewards, b.values, b.resp_mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        kl = self.rollout_kl(b)
+        non_score = non_score_rewards(kl, b.resp_mask, beta if cfg.kl_in == "reward" else 0.0)
+        b.adv, b.ret = self.estimate(b, non_score, cfg)
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
-        stats = self.ppo_update(b) if finite else dict.fromkeys(STAT_KEYS, torch.tensor(float("nan")))
+        keys = self.loss_keys + self.token_keys
+        stats = self.ppo_update(b) if finite else dict.fromkeys(keys, torch.tensor(float("nan")))
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = kl.sum(1).mean()
-        self.kl_ctl.update(float(seq_kl), cfg.batch_size)
+        self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
         self.update += 1
-        objective = {"objective/kl": seq_kl, "objective/entropy": -b.logp.sum(1).mean(),
-                     "objective/non_score_reward": non_score.sum(1).mean(),
-                     "objective/rlhf_reward": (b.scores + non_score.sum(1)).mean(),
-                     "objective/scores": b.scores.mean(),
-                     "val/num_eos_tokens": samples.finished.sum().float(),
-                     "objective/response_length": b.resp_mask.sum(1).mean()}
+        objective = rollout_metrics(b, samples.finished, kl, non_score, cfg.num_generations)
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
-        elapsed = time.perf_counter() - start
+        elapsed, n = time.perf_counter() - start, cfg.rollout_size
         metrics.update({**self.guard.counts, "guard/micro_batch_size": self.micro_batch,
                         "guard/generation_batch_size": self.gen_batch,
-                        "objective/kl_coef": beta, "lr": lr, "episode": self.update * cfg.batch_size,
-                        "perf/samples_per_s": cfg.batch_size / elapsed,
-                        "perf/tokens_per_s": metrics["objective/response_length"] * cfg.batch_size / elapsed,
+                        "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
+                        "perf/samples_per_s": n / elapsed,
+                        "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed})
         table = [{"prompt": r[cfg.prompt_field], "completion": t, "score": s}
                  for r, t, s in zip(rows, texts, b.scores.tolist(), strict=True)]
@@ -315,7 +357,7 @@ class RLHFTrainer:
             if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
                 logger.log(self.update, metrics)
                 self._log_table(logger, "train", table)
-            progress.advance(1, score=metrics["objective/scores"], kl=metrics["objective/kl"])
+            progress.advance(1, score=metrics["objective/scores"], kl=metrics.get("objective/kl"))
 
         try:
             if self.update == 0:
@@ -332,7 +374,7 @@ class RLHFTrainer:
             logger.close()
         plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
                     "eval/scores"], self.run_dir / "reward_kl.png", title=f"PPO {cfg.layout}: {cfg.model}")
-        return TrainResult(self.run_dir, self.update, self.update * cfg.batch_size, last, stopped)
+        return TrainResult(self.run_dir, self.update, self.update * cfg.rollout_size, last, stopped)
 
     def _log_heldout(self, logger: MetricsLogger) -> None:
         result = self.heldout_scores()
@@ -348,6 +390,10 @@ class RLHFTrainer:
         lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['score']:.3f} |"
                   for r in table[:TABLE_ROWS]]
         logger.log_text(self.update, f"completions/{split}", "\n".join(lines))
+
+
+def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    return None if x is None else x * mask
 
 
 def _cell(text: str) -> str:
