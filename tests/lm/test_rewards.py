@@ -152,7 +152,8 @@ def test_split_spec_keeps_commas_inside_regex():
                                   "vader,,length:3"])
 def test_unknown_item_lists_allowed_forms(spec):
     with pytest.raises(UserError, match=r"^reward: unknown item .*; allowed: vader, length:N, format:REGEX, "
-                                        r"eos_penalty:X, model:PATH, py:module\.path:function or "
+                                        r"eos_penalty:X, model:PATH, task \(with prompts task:NAME\), "
+                                        r"py:module\.path:function or "
                                         r"py:/path/file\.py:function \(comma-separated\)$"):
         build_reward(spec)
 

@@ -36,7 +36,8 @@ class RLHFConfig(FaultConfig):
     critic_model: str | None = param(None, "full layout: a reward model to start the critic from (its trunk "
                                      "and score head, as TRL does); default: the policy's trunk, zero head")
     # ---- data and reward
-    prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, or demo")
+    prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, demo, or "
+                         "task:NAME?KEY=VALUE&... (a reasoning-gym task, with --reward task)")
     prompt_field: str = param("prompt", "field of each row that holds the prompt text")
     heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
                                         "(eval/ metrics); none to skip", resume=True)
@@ -45,7 +46,8 @@ class RLHFConfig(FaultConfig):
                                  lo=1, hi=4096, resume=True)
     use_chat_template: bool = param(True, "wrap prompts in the tokenizer's chat template when it has one")
     reward: str = param("vader", "reward spec, comma-separated: vader, length:N, format:REGEX, "
-                        "eos_penalty:X, model:PATH (its own tokenizer, else the policy's), py:module:function")
+                        "eos_penalty:X, model:PATH (its own tokenizer, else the policy's), task (the checker of task: "
+                        "prompts), py:module:function")
     reward_weights: str | None = param(None, "comma-separated weight per reward term (default: all 1)")
     reward_clip: float | None = param(100.0, "clip each score to +-this, counted in guard/rewards_clipped "
                                       "(none: off); a non-finite score skips the update (see reliability docs)",

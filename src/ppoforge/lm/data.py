@@ -8,6 +8,9 @@ plain dict with at least the prompt field as a non-empty string; the trainer pas
 columns to reward functions as keyword lists, so extra columns (a reference answer, a label) are how a
 prompt set carries what its reward needs.
 
+`task:NAME?KEY=VALUE&...` generates a reasoning-gym task's problems (`lm/tasks.py`), with the answers
+and metadata its checker (`--reward task`) needs.
+
 The built-in `demo` (184 prompts) and `demo-heldout` (16) sets are one shipped JSONL file with a
 `split` column: short, neutral requests ("Write one sentence about rain.") whose completions can be
 cheerful or gloomy, which is what a sentiment reward has to steer.
@@ -26,7 +29,8 @@ from ppoforge.errors import UserError
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 DEMO_SPLITS = {"demo": "train", "demo-heldout": "heldout"}
-ALLOWED_SOURCES = "a .jsonl, .json, .csv or .parquet file, a datasets hub name, or demo / demo-heldout"
+ALLOWED_SOURCES = ("a .jsonl, .json, .csv or .parquet file, a datasets hub name, demo / demo-heldout, or "
+                   "task:NAME?KEY=VALUE (reasoning-gym)")
 ALLOWED_JSON = "one JSON object per line (JSON Lines), or a .json file holding one array of objects"
 
 
@@ -136,6 +140,12 @@ def load_prompts(source: str, field: str = "prompt", split: str = "train",
     """
     if limit is not None and limit < 1:
         raise UserError(f"prompts: limit {limit} is out of range; allowed: >= 1 or None (all rows)")
+    if source.startswith("task:"):  # reasoning-gym's generators (lm/tasks.py)
+        from ppoforge.lm.tasks import task_rows
+
+        rows = task_rows(source, field)[:limit]
+        _check_rows(rows, list(rows[0]) if rows else [], field, f"task {source!r}")
+        return rows
     if source in DEMO_SPLITS:
         rows = _demo_rows(DEMO_SPLITS[source])[:limit]
         _check_rows(rows, list(rows[0]) if rows else [], field, f"built-in prompt set {source!r}")

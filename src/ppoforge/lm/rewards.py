@@ -33,7 +33,7 @@ import torch
 from ppoforge.errors import Fault, UserError
 
 RewardFn = Callable[..., list[float]]
-ALLOWED_SPECS = ("vader, length:N, format:REGEX, eos_penalty:X, model:PATH, "
+ALLOWED_SPECS = ("vader, length:N, format:REGEX, eos_penalty:X, model:PATH, task (with prompts task:NAME), "
                  "py:module.path:function or py:/path/file.py:function")
 _POSITIONAL = ("prompts", "completions", "finished")
 
@@ -230,6 +230,10 @@ def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict) -> Rewar
     kind, _, arg = item.partition(":")
     if item == "vader":
         return vader_sentiment
+    if item == "task":  # reasoning-gym's checker of each row's task (lm/tasks.py)
+        from ppoforge.lm.tasks import task_reward
+
+        return task_reward
     if kind == "length" and arg:
         return length_reward(_number(item, arg, int))
     if kind == "format" and arg:
@@ -249,7 +253,7 @@ def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict) -> Rewar
 
 def split_spec(spec: str) -> list[str]:
     """Split on commas that start a new item, so `format:a{1,3}` keeps its comma."""
-    parts = re.split(r",\s*(?=vader\s*(?:,|$)|(?:length|format|eos_penalty|model|py):)", spec.strip())
+    parts = re.split(r",\s*(?=(?:vader|task)\s*(?:,|$)|(?:length|format|eos_penalty|model|py):)", spec.strip())
     return [p.strip() for p in parts]
 
 
