@@ -135,6 +135,7 @@ def test_kl_coef_0_makes_no_reference_pass(cfg_for, tmp_path, layout, kl_coef):
         assert math.isfinite(metrics["kl"]) and metrics["kl"] >= 0  # k3 in the loss
     else:
         assert calls == [] and "objective/kl" not in metrics and "kl" not in metrics
+        assert layout == "lora" or trainer.layout.reference is None  # full: no reference copy loaded
         assert metrics["objective/non_score_reward"] == 0
 
 

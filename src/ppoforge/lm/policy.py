@@ -10,6 +10,7 @@
 
 With `critic=False` (the critic-free estimators: GRPO, RLOO, REINFORCE++) a layout has no value head
 and no critic backbone at all: `forward` returns values None and only the policy's weights train.
+Without a KL term (`kl_coef: 0`) `full` loads no reference copy (`reference` None: never called).
 
 Every layout runs the backbone (`lm.base_model`) itself and returns the hidden states of the positions
 that predict response tokens; the trainer applies the LM head (`logits`) to them in row chunks, so
@@ -302,11 +303,11 @@ class LoraLayout:
 
 
 class FullLayout:
-    def __init__(self, policy: nn.Module, reference: nn.Module, critic_backbone: nn.Module | None,
+    def __init__(self, policy: nn.Module, reference: nn.Module | None, critic_backbone: nn.Module | None,
                  value_head: ValueHead | None, decoder: str = "auto"):
         self.policy_model = policy.eval()
         self.policy_backbone = policy.base_model
-        self.reference = _freeze(reference)
+        self.reference = None if reference is None else _freeze(reference)
         self.critic = None if critic_backbone is None else critic_backbone.eval()
         self.value_head = None if value_head is None else value_head.eval()
         self.lean = _use_lean(decoder, self)
@@ -361,7 +362,7 @@ def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, criti
     return layout
 
 
-def build_full(policy: nn.Module, reference: nn.Module, critic_source: nn.Module | None = None,
+def build_full(policy: nn.Module, reference: nn.Module | None, critic_source: nn.Module | None = None,
                gradient_checkpointing: bool = False, decoder: str = "auto", critic: bool = True) -> FullLayout:
     """Full layout. The critic's backbone is a copy of `critic_source`'s (default: the policy's); a
     reward model as the source also gives the value head its score head (TRL starts the value model

@@ -98,8 +98,10 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) 
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.layout == "lora-critic",
                           cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
     policy = load_causal_lm(cfg.model, torch.float32, device, **kw)
-    # the reference as the fp32 policy computes under autocast: Linear weights in its dtype, the rest fp32
-    reference = cast_linears(load_causal_lm(cfg.model, torch.float32, device, **kw), frozen_dtype)
+    # the reference as the fp32 policy computes under autocast: Linear weights in its dtype, the rest fp32;
+    # none without a KL term (kl_coef 0: no reference pass, so no copy in memory)
+    reference = (cast_linears(load_causal_lm(cfg.model, torch.float32, device, **kw), frozen_dtype)
+                 if cfg.kl_coef else None)
     critic = load_reward_model(cfg.critic_model, torch.float32, device, **kw) if cfg.critic_model else None
     return build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
 
