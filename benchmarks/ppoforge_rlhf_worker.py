@@ -43,6 +43,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed PPO updates run first")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0, help="trainer seed")
+    p.add_argument("--grpo", action="store_true",
+                   help="GRPO as trl_grpo_worker.py runs it: --prompts x --generations completions, beta 0.04 "
+                        "(k3 in the loss), token-mean loss over the batch, one optimizer step, no critic")
+    p.add_argument("--prompts", type=int, default=4, help="--grpo: prompts per update")
+    p.add_argument("--generations", type=int, default=8, help="--grpo: completions per prompt")
+    p.add_argument("--new-tokens", type=int, default=32, help="--grpo: new tokens")
+    p.add_argument("--micro", type=int, default=8, help="--grpo: completions per forward/backward")
     return p.parse_args()
 
 
@@ -60,7 +67,16 @@ def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace
         "ppo_epochs": 1, "total_updates": args.warmup + args.updates, "seed": args.seed,
         "precision": args.precision, "device": "cpu", "torch_threads": args.threads,
         "tensorboard": False, "progress": False,
+        **(grpo_fields(args) if args.grpo else {}),
     })
+
+
+def grpo_fields(args: argparse.Namespace) -> dict:
+    completions = args.prompts * args.generations
+    return {"advantage": "grpo", "num_generations": args.generations, "scale_rewards": "group",
+            "loss_agg": "token_mean", "kl_in": "loss", "kl_estimator": "k3", "kl_coef": 0.04, "temperature": 1.0,
+            "batch_size": args.prompts, "mini_batch_size": completions, "micro_batch_size": args.micro,
+            "max_new_tokens": args.new_tokens, "critic_model": None}
 
 
 def main() -> None:
@@ -97,8 +113,9 @@ def main() -> None:
         "threads": torch.get_num_threads(), "warmup": args.warmup, "updates": args.updates,
         "warmup_s": gaps[: args.warmup], "update_s": timed, "median_s": median,
         "cpu_s": cpu[args.warmup:], "median_cpu_s": statistics.median(cpu[args.warmup:]),
-        "samples_per_s": w.n_prompts / median, "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
-        "setup_s": setup_s, "last_metrics": {k: metrics[k] for k in ("objective/kl", "objective/scores",
+        "samples_per_s": (args.prompts * args.generations if args.grpo else w.n_prompts) / median,
+        "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
+        "setup_s": setup_s, "last_metrics": {k: metrics.get(k) for k in ("objective/kl", "objective/scores",
                                                                       "objective/response_length")},
         "versions": {"ppoforge": ppoforge.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},

@@ -50,6 +50,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl-precisions", default="fp32",
                    help="TRL precisions (fp32 = its effective default; bf16 = accelerate autocast)")
     p.add_argument("--skip-ppoforge", action="store_true", help="time TRL only")
+    p.add_argument("--grpo", action="store_true",
+                   help="GRPO instead of PPO: TRL's GRPOTrainer (trl_grpo_worker.py) vs ppoforge's advantage grpo, "
+                        "--grpo-prompts x --grpo-generations completions of --grpo-new-tokens, micro --grpo-micro")
+    p.add_argument("--grpo-prompts", type=int, default=4)
+    p.add_argument("--grpo-generations", type=int, default=8)
+    p.add_argument("--grpo-new-tokens", type=int, default=32)
+    p.add_argument("--grpo-micro", type=int, default=8)
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl"), help="venv holding TRL 1.12")
     p.add_argument("--timeout", type=int, default=3600, help="seconds allowed per measurement")
     p.add_argument("--quiet-wait", type=float, default=60.0,
@@ -147,8 +154,16 @@ def measure_workload(name: str, args: argparse.Namespace, trl_py: Path) -> list[
                        capture_output=True)
         common = ["--workload-dir", wdir, "--updates", str(args.updates), "--warmup", str(args.warmup),
                   "--threads", str(args.threads)]
-        configs = [("trl", "trl-4-model", p, [str(trl_py), str(HERE / "trl_ppo_worker.py"), *common,
-                                                "--precision", p]) for p in args.trl_precisions.split(",")]
+        if args.grpo:
+            shape = ["--prompts", str(args.grpo_prompts), "--generations", str(args.grpo_generations),
+                     "--new-tokens", str(args.grpo_new_tokens), "--micro", str(args.grpo_micro)]
+            configs = [("trl", "trl-grpo", "fp32", [str(trl_py), str(HERE / "trl_grpo_worker.py"), "--workload-dir",
+                                                    wdir, "--steps", str(args.updates), "--warmup", str(args.warmup),
+                                                    "--threads", str(args.threads), *shape])]
+            common += ["--grpo", *shape]
+        else:
+            configs = [("trl", "trl-4-model", p, [str(trl_py), str(HERE / "trl_ppo_worker.py"), *common,
+                                                    "--precision", p]) for p in args.trl_precisions.split(",")]
         if not args.skip_ppoforge:
             configs += [("ppoforge", lay, p, [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"),
                                               *common, "--layout", lay, "--precision", p])
@@ -190,6 +205,8 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     args = parse_args()
     trl_py = ensure_trl_venv(Path(args.trl_venv))
+    if args.grpo and subprocess.run([str(trl_py), "-c", "import requests"], capture_output=True).returncode:
+        subprocess.run([str(trl_py), "-m", "pip", "install", "-q", "requests"], check=True)  # GRPOTrainer imports it
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     all_results = {}
     for name in args.workloads.split(","):
@@ -201,7 +218,7 @@ def main() -> None:
     print("TRL side:", ", ".join(f"{k} {v}" for k, v in versions.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dump = out / f"rlhf_vs_trl_{'_'.join(args.workloads.split(','))}.json"
+    dump = out / f"{'grpo' if args.grpo else 'rlhf'}_vs_trl_{'_'.join(args.workloads.split(','))}.json"
     dump.write_text(json.dumps({"started": started, "argv": sys.argv[1:], "results": all_results}, indent=1))
     print(f"wrote {dump.relative_to(ROOT) if dump.is_relative_to(ROOT) else dump}")
 
