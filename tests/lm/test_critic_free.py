@@ -253,3 +253,24 @@ def test_presets_train_with_a_model_path(capsys, tmp_path, tiny_lm_dir, prompts_
     (row,) = read_metrics(run / "metrics.jsonl")
     assert math.isfinite(row["loss/policy_avg"]) and "loss/value_avg" not in row
     assert row["episode"] == 4 * (8 if preset != "rloo" else 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_each_estimator_moves_the_reward_the_way_its_sign_says(cfg_for, tmp_path, advantage):
+    """The letter e counted in each completion, rewarded (+1) or penalized (-1): 30 updates of the full
+    layout raise the count or lower it. A sign error in an estimator would move it the other way."""
+    counts = {}
+    for sign in (1.0, -1.0):
+        def reward(prompts, completions, _sign=sign, **kwargs):
+            return [_sign * c.count("e") for c in completions]
+
+        group = 1 if advantage == "reinforce_pp" else 4  # 16 responses per rollout either way
+        cfg = cfg_for(advantage=advantage, layout="full", learning_rate=3e-3, batch_size=16 // group,
+                      num_generations=group, mini_batch_size=16, micro_batch_size=8, ppo_epochs=4, total_updates=30,
+                      max_new_tokens=8, temperature=1.0)
+        trainer = RLHFTrainer(cfg, tmp_path / f"{sign}", reward_fn=reward)
+        rows = [trainer.train_one_update()[0]["reward"] * sign for _ in range(cfg.total_updates)]
+        counts[sign] = (sum(rows[:10]) / 10, sum(rows[-10:]) / 10)  # mean count of e: first vs last 10
+    assert counts[1.0][1] > counts[1.0][0] + 0.3, counts
+    assert counts[-1.0][1] < counts[-1.0][0] - 0.3, counts
