@@ -226,7 +226,9 @@ def _grads_and_params_after_one_update(cfg, run_dir):
 @pytest.mark.parametrize("layout", ["lora", "lora-critic", "full"])
 def test_accumulation_invariance_and_gradient_checkpointing(cfg_for, tmp_path, layout):
     # micro-batch 8 x accumulation 1 == micro-batch 1 x accumulation 8 (== with activation recomputation)
-    base = dict(layout=layout, batch_size=8, mini_batch_size=8, max_grad_norm=1e6)
+    # ragged responses (90 of the ~630 tokens stop one): with equal lengths a per-micro-batch mean would pass too
+    base = dict(layout=layout, batch_size=8, mini_batch_size=8, max_grad_norm=1e6, max_new_tokens=12,
+                stop_tokens=",".join(map(str, range(10, 100))))
     g_big, p_big = _grads_and_params_after_one_update(cfg_for(micro_batch_size=8, **base), tmp_path / "a")
     g_small, p_small = _grads_and_params_after_one_update(cfg_for(micro_batch_size=1, **base), tmp_path / "b")
     g_ckpt, _ = _grads_and_params_after_one_update(
