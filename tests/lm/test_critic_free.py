@@ -274,3 +274,22 @@ def test_each_estimator_moves_the_reward_the_way_its_sign_says(cfg_for, tmp_path
         counts[sign] = (sum(rows[:10]) / 10, sum(rows[-10:]) / 10)  # mean count of e: first vs last 10
     assert counts[1.0][1] > counts[1.0][0] + 0.3, counts
     assert counts[-1.0][1] < counts[-1.0][0] - 0.3, counts
+
+
+@pytest.mark.parametrize("layout", ["lora", "full"])
+def test_one_step_rollouts_take_old_logprobs_from_the_update_itself(cfg_for, tmp_path, layout):
+    """One optimizer step per rollout, no critic, KL in the loss: no rollout pass of the policy runs, the
+    ratio is exactly 1, and the step equals the one with recomputed old log-probs."""
+    shape = dict(layout=layout, mini_batch_size=8, kl_in="loss", kl_estimator="k3", learning_rate=1e-3)
+    fast = RLHFTrainer(cfg_for(**shape), tmp_path / "fast", reward_fn=index_reward)
+    slow = RLHFTrainer(cfg_for(**shape, old_logprobs="recompute"), tmp_path / "slow", reward_fn=index_reward)
+    assert fast.on_policy and not slow.on_policy
+    calls = []
+    original = fast.layout.forward
+    fast.layout.forward = lambda *a: (calls.append(torch.is_grad_enabled()), original(*a))[1]
+    metrics, _ = fast.train_one_update()
+    slow.train_one_update()
+    assert calls and all(calls)  # only the update's own (grad-enabled) forwards ran
+    assert metrics["val/ratio"] == 1.0 and metrics["clip_ratio/region_mean"] == 0
+    for (name, a), (_, b) in zip(fast.layout.named_trainable(), slow.layout.named_trainable(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)

@@ -12,7 +12,9 @@ not on the code: measured on CPU, bf16 with eager attention is exact on torch 2.
 SDPA; GPUs are another set of kernels again.
 
 Without a critic (the critic-free estimators) there are no values: None, and no critic pass; without
-a KL term (`kl_coef: 0`) there is no reference pass: its log-probs are None.
+a KL term (`kl_coef: 0`) there is no reference pass: its log-probs are None. With `policy=False` (a
+rollout trained in one optimizer step, see `RLHFTrainer`) nothing needs the old log-probs before the
+update, which takes them from its own forward: the sampler's stand in for the rollout's KL metric.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ class RolloutScoring:
     values None without a critic, ref logp None without a reference (`reference=False`)."""
 
     def __init__(self, layout: Layout, mode: str, temperature: float, chunk_rows: int, where: str,
-                 critic: bool = True, reference: bool = True):
+                 critic: bool = True, reference: bool = True, policy: bool = True):
         self.layout, self.temperature, self.chunk_rows, self.where = layout, temperature, chunk_rows, where
         self.critic, self.reference = critic, reference
         trust = {"sampler": True, "recompute": False, "auto": None}[mode]
-        self.fast_policy = trust  # None: decided on the first rollout
+        self.fast_policy = trust if policy else True  # None: decided on the first rollout
         self.fast_reference = trust if layout.fast_ref_forward is not None else False
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples):

@@ -92,8 +92,13 @@ class RLHFTrainer:
         self.sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                                        self.parts.stop_ids, self.tokenizer.pad_token_id)
         where = f"{self.parts.device.type} / {self.precision.name} / {self.policy_attention()} attention"
+        # One optimizer step per rollout, no critic, no KL in the rewards: the update's own forward is the
+        # sampling policy, so its detached log-probs are the old ones, exactly (ratio 1; TRL's GRPO does the
+        # same) and no rollout pass computes them.
+        self.on_policy = (cfg.old_logprobs == "auto" and not cfg.has_critic and cfg.ppo_epochs == 1
+                          and cfg.mini_batch_size == cfg.rollout_size and (cfg.kl_in == "loss" or cfg.kl_coef == 0))
         self.scoring = RolloutScoring(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
-                                      critic=cfg.has_critic, reference=cfg.kl_coef > 0)
+                                      critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not self.on_policy)
         self.estimate = ESTIMATORS[cfg.advantage]  # (rollout, KL rewards, cfg) -> (advantages, returns)
         self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens)  # (reduce, units) of every loss term
         self.kl_loss = cfg.kl_in == "loss" and cfg.kl_coef > 0
@@ -254,7 +259,7 @@ class RLHFTrainer:
             logits = self.layout.logits(hidden)
         with self.precision.full_precision():
             logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
-            old_logp, adv = b.logp[micro], b.adv[micro]
+            old_logp, adv = (logp.detach() if self.on_policy else b.logp[micro]), b.adv[micro]
             pg_loss, pg = policy_loss(logp, old_logp, adv, cfg.clip, m, clip_high=cfg.clip_high, reduce=reduce)
             clipped = clip_stats(logp, old_logp, adv, cfg.clip, cfg.clip_high, m)
             ent = masked_mean(entropy, m)
