@@ -19,10 +19,10 @@ import torch
 from ppoforge.core.preference import bradley_terry_loss
 from ppoforge.errors import UserError
 from ppoforge.lm.config import RewardConfig
-from ppoforge.lm.examples import Pair, preference_pairs, read_rows
+from ppoforge.lm.examples import Pair, preference_pairs
 from ppoforge.lm.rollout import right_pad
-from ppoforge.lm.sft import export_model, lora_wrap, report_drops
-from ppoforge.lm.supervised import SupervisedTrainer, prepare, split_eval
+from ppoforge.lm.sft import export_model, lora_wrap
+from ppoforge.lm.supervised import SupervisedTrainer, load_data, prepare
 
 
 class RewardTask:
@@ -36,15 +36,8 @@ class RewardTask:
         self.device = prepare(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
                                         field="tokenizer" if cfg.tokenizer else "model")
-        rows, where = read_rows(cfg.data, cfg.data_split)
-        if cfg.eval_data:
-            train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)
-        else:
-            (train_rows, eval_rows), eval_where = split_eval(rows, cfg), f"{where} (held-out share)"
-        self.train_items, drops = preference_pairs(train_rows, where, self.tokenizer, cfg.max_length, cfg.strict)
-        self.eval_items, eval_drops = preference_pairs(eval_rows, eval_where, self.tokenizer, cfg.max_length,
-                                                       cfg.strict)
-        report_drops(self.run_dir, (drops, len(self.train_items)), (eval_drops, len(self.eval_items)))
+        self.train_items, self.eval_items, _, where, drops = load_data(cfg, self.run_dir, self.tokenizer,
+                                                                       preference_pairs)
         if not self.train_items:
             raise UserError(f"data: no usable pairs in {where} ({drops.summary(0)}); allowed: rows with chosen "
                             "and rejected (and prompt)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -21,22 +20,10 @@ import torch
 from ppoforge.errors import UserError
 from ppoforge.lm.attention import as_attention_bias
 from ppoforge.lm.config import SFTConfig, SupervisedConfig
-from ppoforge.lm.examples import Example, read_rows, sft_examples
+from ppoforge.lm.examples import Example, sft_examples
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.packing import collate, pack
-from ppoforge.lm.supervised import SupervisedTrainer, prepare, split_eval
-
-
-def report_drops(run_dir: Path, *drops) -> None:
-    """Say on stderr and in data_report.json which rows were left out and why."""
-    lines = [d.summary(used) for d, used in drops]
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / "data_report.json").write_text(json.dumps(
-        [{"source": d.where, "used": used, "left_out": dict(d.counts),
-          "first": {k: {"line": v[0], "detail": v[1]} for k, v in d.first.items()}} for d, used in drops],
-        indent=1) + "\n")
-    for line in lines:
-        print(f"ppoforge: {line}", file=sys.stderr)
+from ppoforge.lm.supervised import SupervisedTrainer, load_data, prepare
 
 
 def lora_wrap(model, cfg: SupervisedConfig, task_type: str):
@@ -71,20 +58,12 @@ class SFTTask:
         self.device = prepare(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
                                         field="tokenizer" if cfg.tokenizer else "model")
-        rows, where = read_rows(cfg.data, cfg.data_split)
-        if cfg.eval_data:
-            train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)
-        else:
-            (train_rows, eval_rows), eval_where = split_eval(rows, cfg), f"{where} (held-out share)"
-        train, drops = sft_examples(train_rows, where, self.tokenizer, cfg.max_length, cfg.strict)
-        held, eval_drops = sft_examples(eval_rows, eval_where, self.tokenizer, cfg.max_length, cfg.strict)
-        report_drops(self.run_dir, (drops, len(train)), (eval_drops, len(held)))
+        train, held, self.eval_rows, where, drops = load_data(cfg, self.run_dir, self.tokenizer, sft_examples)
         if not train:
             raise UserError(f"data: no usable rows in {where} ({drops.summary(0)}); allowed: rows with messages, "
                             "or prompt and completion")
         self.train_items = pack(train, cfg.max_length) if cfg.packing else [[ex] for ex in train]
         self.eval_items = [[ex] for ex in held]
-        self.eval_rows = [row for _, row in eval_rows]
         dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
         model = load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
         self.model = lora_wrap(model, cfg, "CAUSAL_LM") if cfg.layout == "lora" else model.train(False)

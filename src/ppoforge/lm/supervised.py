@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -221,6 +222,34 @@ def prepare(cfg: SupervisedConfig) -> torch.device:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
     return resolve_device(cfg.device)
+
+
+def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[list, list, list[dict], str, object]:
+    """(training items, held-out items, held-out rows, the data's name, its Drops): `cfg.data` and
+    `cfg.eval_data` (else the held-out share of `data`) read, each row made an item by
+    `build(rows, where, tokenizer, max_length, strict)`, the rows left out reported."""
+    from ppoforge.lm.examples import read_rows
+
+    rows, where = read_rows(cfg.data, cfg.data_split)
+    if cfg.eval_data:
+        train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)
+    else:
+        (train_rows, eval_rows), eval_where = split_eval(rows, cfg), f"{where} (held-out share)"
+    train, drops = build(train_rows, where, tokenizer, cfg.max_length, cfg.strict)
+    held, eval_drops = build(eval_rows, eval_where, tokenizer, cfg.max_length, cfg.strict)
+    report_drops(run_dir, (drops, len(train)), (eval_drops, len(held)))
+    return train, held, [row for _, row in eval_rows], where, drops
+
+
+def report_drops(run_dir: Path, *drops) -> None:
+    """Say on stderr and in data_report.json which rows were left out and why."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "data_report.json").write_text(json.dumps(
+        [{"source": d.where, "used": used, "left_out": dict(d.counts),
+          "first": {k: {"line": v[0], "detail": v[1]} for k, v in d.first.items()}} for d, used in drops],
+        indent=1) + "\n")
+    for d, used in drops:
+        print(f"ppoforge: {d.summary(used)}", file=sys.stderr)
 
 
 def split_eval(rows: list, cfg: SupervisedConfig) -> tuple[list, list]:
