@@ -56,3 +56,10 @@ def test_train_resume_and_eval_from_the_cli(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "deterministic:" in out and "sampled:" in out and "over 2 episodes" in out
+
+
+def test_a_stopped_sft_or_reward_run_points_to_resume_not_to_a_model(tmp_path):
+    from ppoforge.cli import _export
+
+    assert _export({"stopped_by": None}, tmp_path) == f"model {tmp_path / 'model'}"
+    assert _export({"stopped_by": "SIGTERM"}, tmp_path) == f"run dir {tmp_path} (--resume to finish)"

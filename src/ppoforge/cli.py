@@ -78,6 +78,11 @@ def _status(stopped_by: str | None) -> str:
     return f"stopped by {stopped_by}, checkpoint saved" if stopped_by else "done"
 
 
+def _export(result: dict, run_dir: Path) -> str:
+    """Where the trained model is, or (stopped before the end: nothing exported yet) how to finish."""
+    return f"run dir {run_dir} (--resume to finish)" if result["stopped_by"] else f"model {run_dir / 'model'}"
+
+
 def _cmd_train_control(args) -> int:
     from ppoforge.control.config import ControlConfig
     from ppoforge.control.trainer import train
@@ -110,8 +115,7 @@ def _cmd_train_sft(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     loss = result.get("eval/loss", result.get("train/loss", float("nan")))
-    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; "
-          f"model {run_dir / 'model'}")
+    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; {_export(result, run_dir)}")
     return 0
 
 
@@ -123,7 +127,7 @@ def _cmd_train_reward(args) -> int:
     result = train(cfg, run_dir, resume=bool(args.resume))
     accuracy = result.get("eval/accuracy", float("nan"))
     print(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
-          f"model {run_dir / 'model'}")
+          f"{_export(result, run_dir)}")
     return 0
 
 
