@@ -183,15 +183,22 @@ def sft_example(row: dict, tokenizer, max_length: int) -> Example:
     return example
 
 
-def sft_examples(rows: list[tuple[int, dict]], where: str, tokenizer, max_length: int,
-                 strict: bool) -> tuple[list[Example], Drops]:
+def convert_rows(make, rows: list[tuple[int, dict]], where: str, tokenizer, max_length: int,
+                 strict: bool) -> tuple[list, Drops]:
+    """make(row, tokenizer, max_length) for every row; the rows it refuses counted in Drops (or, strict,
+    the first one raised with its line)."""
     drops, out = Drops(where), []
     for line, row in rows:
         try:
-            out.append(sft_example(row, tokenizer, max_length))
+            out.append(make(row, tokenizer, max_length))
         except RowError as e:
             drops.add(line, e, strict)
     return out, drops
+
+
+def sft_examples(rows: list[tuple[int, dict]], where: str, tokenizer, max_length: int,
+                 strict: bool) -> tuple[list[Example], Drops]:
+    return convert_rows(sft_example, rows, where, tokenizer, max_length, strict)
 
 
 # ---- preference pairs ------------------------------------------------------------------------------
@@ -258,10 +265,4 @@ def preference_pair(row: dict, tokenizer, max_length: int) -> Pair:
 
 def preference_pairs(rows: list[tuple[int, dict]], where: str, tokenizer, max_length: int,
                      strict: bool) -> tuple[list[Pair], Drops]:
-    drops, out = Drops(where), []
-    for line, row in rows:
-        try:
-            out.append(preference_pair(row, tokenizer, max_length))
-        except RowError as e:
-            drops.add(line, e, strict)
-    return out, drops
+    return convert_rows(preference_pair, rows, where, tokenizer, max_length, strict)

@@ -29,13 +29,11 @@ class RewardTask:
     name = "reward"
 
     def __init__(self, cfg: RewardConfig, run_dir: Path):
-        from ppoforge.lm.models import load_reward_model, load_tokenizer
+        from ppoforge.lm.models import load_reward_model
         from ppoforge.runtime.precision import make_precision
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.device = prepare(cfg)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
-                                        field="tokenizer" if cfg.tokenizer else "model")
+        self.device, self.tokenizer = prepare(cfg)
         self.train_items, self.eval_items, _, where, drops = load_data(cfg, self.run_dir, self.tokenizer,
                                                                        preference_pairs)
         if not self.train_items:

@@ -50,14 +50,12 @@ class SFTTask:
     name = "sft"
 
     def __init__(self, cfg: SFTConfig, run_dir: Path):
-        from ppoforge.lm.models import load_causal_lm, load_tokenizer
+        from ppoforge.lm.models import load_causal_lm
         from ppoforge.lm.policy import enable_gradient_checkpointing
         from ppoforge.runtime.precision import make_precision
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.device = prepare(cfg)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
-                                        field="tokenizer" if cfg.tokenizer else "model")
+        self.device, self.tokenizer = prepare(cfg)
         train, held, self.eval_rows, where, drops = load_data(cfg, self.run_dir, self.tokenizer, sft_examples)
         if not train:
             raise UserError(f"data: no usable rows in {where} ({drops.summary(0)}); allowed: rows with messages, "

@@ -216,12 +216,17 @@ class SupervisedTrainer:
         return {"steps": self.update, "stopped_by": stopped, **last}
 
 
-def prepare(cfg: SupervisedConfig) -> torch.device:
-    """The process-level setup a task needs before it builds its model: threads, seeds, the device."""
+def prepare(cfg: SupervisedConfig):
+    """What a task needs before it builds its model: threads and seeds set; (the device, the tokenizer:
+    `cfg.tokenizer`, else the model's own)."""
+    from ppoforge.lm.models import load_tokenizer
+
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
-    return resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
+                               field="tokenizer" if cfg.tokenizer else "model")
+    return resolve_device(cfg.device), tokenizer
 
 
 def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[list, list, list[dict], str, object]:
