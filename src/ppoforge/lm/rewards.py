@@ -187,17 +187,19 @@ def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], f
 
 # ---- specs -------------------------------------------------------------------------------------------
 
-def _load_python(spec: str) -> RewardFn:
-    """`module.path:function` or `/path/file.py:function` (a module is looked up from the cwd too)."""
+def load_python(spec: str, what: str = "reward", noun: str = "function", prefix: str = "py"):
+    """`module.path:NAME` or `/path/file.py:NAME` (a module is looked up from the cwd too): the callable
+    NAME. `what`, `noun` and `prefix` word the errors (environments load classes: lm/env.py)."""
     target, sep, func = spec.rpartition(":")
     if not sep or not target or not func:
-        raise UserError(f"reward py:{spec}: expected py:module.path:function or py:/path/file.py:function")
+        raise UserError(f"{what} {prefix}:{spec}: expected {prefix}:module.path:{noun} or "
+                        f"{prefix}:/path/file.py:{noun}")
     try:
         if target.endswith(".py"):
             path = Path(target).expanduser()
             if not path.is_file():
-                raise UserError(f"reward py:{spec}: no file {path}")
-            module_spec = importlib.util.spec_from_file_location(f"ppoforge_reward_{path.stem}", path)
+                raise UserError(f"{what} {prefix}:{spec}: no file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"ppoforge_{what}_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -207,10 +209,10 @@ def _load_python(spec: str) -> RewardFn:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - import of user code
-        raise UserError(f"reward py:{spec}: importing {target} raised {type(e).__name__}: {e}") from None
+        raise UserError(f"{what} {prefix}:{spec}: importing {target} raised {type(e).__name__}: {e}") from None
     fn = getattr(module, func, None)
     if not callable(fn):
-        raise UserError(f"reward py:{spec}: {target} has no function {func!r}")
+        raise UserError(f"{what} {prefix}:{spec}: {target} has no {noun} {func!r}")
     return fn
 
 
@@ -247,7 +249,7 @@ def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict) -> Rewar
         tokenizer = None if has_tokenizer_files(arg) else policy_tokenizer
         return RewardModelScorer(arg, tokenizer=tokenizer, device=device, **model_kwargs)
     if kind == "py" and arg:
-        return _load_python(arg)
+        return load_python(arg)
     raise UserError(f"reward: unknown item {item!r}; allowed: {ALLOWED_SPECS} (comma-separated)")
 
 

@@ -39,16 +39,23 @@ def _reasoning_gym():
     return reasoning_gym
 
 
-def parse_task(spec: str) -> tuple[str, dict]:
-    """'task:NAME?k=v&...' -> (NAME, {k: YAML value}), size and seed defaulted."""
-    name, _, query = spec.removeprefix(PREFIX).partition("?")
-    if not name:
-        raise UserError(f"prompts: {spec!r} names no task; allowed: task:NAME?size=N&seed=S&KEY=VALUE")
+def parse_query(spec: str, body: str, where: str) -> tuple[str, dict]:
+    """'NAME?k=v&...' (`body`, the part of `spec` after its prefix) -> (NAME, {k: YAML value}); errors
+    name `where` and `spec`. Shared by `task:` prompts and built-in environments (lm/env.py)."""
+    name, _, query = body.partition("?")
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise UserError(f"prompts: {spec!r}: the part after ? is not KEY=VALUE pairs joined by &") from None
-    return name, {**DEFAULTS, **{key: yaml.safe_load(value) if value else value for key, value in pairs}}
+        raise UserError(f"{where}: {spec!r}: the part after ? is not KEY=VALUE pairs joined by &") from None
+    return name, {key: yaml.safe_load(value) if value else value for key, value in pairs}
+
+
+def parse_task(spec: str) -> tuple[str, dict]:
+    """'task:NAME?k=v&...' -> (NAME, {k: YAML value}), size and seed defaulted."""
+    name, kwargs = parse_query(spec, spec.removeprefix(PREFIX), "prompts")
+    if not name:
+        raise UserError(f"prompts: {spec!r} names no task; allowed: task:NAME?size=N&seed=S&KEY=VALUE")
+    return name, {**DEFAULTS, **kwargs}
 
 
 def task_rows(spec: str, field: str = "prompt") -> list[dict]:

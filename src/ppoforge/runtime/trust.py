@@ -21,11 +21,11 @@ from ppoforge.errors import UserError
 from ppoforge.runtime.rundir import atomic_write_text
 
 CODE_FILE = "code.json"
-_PY_ITEM = re.compile(r"(?:^|,)\s*py:([^,]+?):([A-Za-z_]\w*)\s*(?=,|$)")
+_PY_ITEM = re.compile(r"(?:^|,)\s*(?:py|trl):([^,]+?):([A-Za-z_]\w*)\s*(?=,|$)")  # trl: a TRL env class
 
 
 def code_items(cfg) -> list[str]:
-    """Every `py:target:attr` target named by a string field of `cfg`."""
+    """Every `py:target:attr` (or `trl:target:Class`, lm/env.py) target named by a string field of `cfg`."""
     items = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)

@@ -1,0 +1,246 @@
+"""The environment protocol (lm/env.py): specs, checked replies, the built-in guess_number, and the
+TextArena and TRL environment_factory adapters each on a real game / class."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ppoforge.errors import UserError
+from ppoforge.lm.env import EnvStep, as_messages, load_env
+from ppoforge.lm.env_adapters import parse_tool_calls
+
+
+class Counter:
+    """A TRL environment_factory class, written as TRL's GRPOTrainer docs write theirs: `reset(**kwargs)`,
+    public methods with type hints and Google-style docstrings become tools, `get_reward` scores."""
+
+    def __init__(self):
+        self.counter = 0
+
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        self.target = kwargs.get("target", 3)
+        return f" The counter is 0; bring it to {self.target}."
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        if step < 0:
+            raise ValueError("step must be positive")
+        self.counter += step
+        return self.counter
+
+    def get_reward(self) -> float:
+        return 1.0 if self.counter == self.target else 0.0
+
+
+def _play_guess(env, row, replies):
+    first = env.reset(row, random.Random(0))
+    steps = [env.step(r) for r in replies]
+    return first, steps
+
+
+def test_guess_number_full_episode():
+    env = load_env("guess_number?hi=8")()
+    first, steps = _play_guess(env, {"secret": 5}, ["4", "seven", "I guess 6", "5"])
+    assert first == [{"role": "user", "content": "I am thinking of a whole number from 1 to 8. Guess it: reply "
+                                                 "with just the number."}]
+    assert [(s.messages, s.reward, s.done) for s in steps] == [
+        ([{"role": "user", "content": "Higher."}], 0.0, False),
+        ([{"role": "user", "content": "Reply with just a number."}], 0.0, False),
+        ([{"role": "user", "content": "Lower."}], 0.0, False),
+        ([{"role": "user", "content": "Correct."}], 1.0, True)]
+    assert env.score() == 1.0
+
+
+def test_guess_number_draws_from_rng_and_reads_options():
+    factory = load_env("guess_number?hi=8&invalid=-0.1")
+    secrets = set()
+    for seed in range(40):
+        env = factory()
+        env.reset({}, random.Random(seed))
+        secrets.add(env.env.secret)
+        assert env.env.secret == random.Random(seed).randint(1, 8)  # reproducible from the episode's rng
+    assert secrets == set(range(1, 9))
+    env = factory()
+    assert "from 1 to 3." in env.reset({"hi": 3}, random.Random(0))[0]["content"]  # the row's hi wins
+    assert env.step("no idea").reward == -0.1
+    assert env.score() == 0.0  # unsolved (e.g. truncated by the turn budget)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nope", "environment: 'nope' is not an environment spec; allowed: py:module.path:Class"),
+    ("gym:CartPole-v1", "environment: 'gym:CartPole-v1' is not an environment spec; allowed: py:"),
+    ("py:", "environment: 'py:' is not an environment spec"),
+    ("py:no_such_module_xyz:Env", "environment py:no_such_module_xyz:Env: importing no_such_module_xyz raised"),
+    ("py:/nowhere/env.py:Env", "environment py:/nowhere/env.py:Env: no file /nowhere/env.py"),
+    ("trl:Counter", "environment trl:Counter: expected trl:module.path:Class or trl:/path/file.py:Class"),
+    ("guess_number?hi=0", "environment guess_number: hi=0; allowed: an integer >= 1"),
+    ("guess_number?colour=red", "environment guess_number\\?colour=red: .*allowed options of guess_number: hi, "
+                                "invalid"),
+    ("guess_number?hi", "the part after \\? is not KEY=VALUE pairs"),
+])
+def test_bad_spec_is_one_line_user_error(spec, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_env(spec)
+    assert "\n" not in str(e.value)
+
+
+BAD_ENV = '''
+import math
+from ppoforge.lm.env import EnvStep
+
+class Bad:
+    def __init__(self, reply):
+        self.reply = reply
+    def reset(self, row, rng):
+        return row.get("first", "hello")
+    def step(self, reply):
+        if self.reply == "raise":
+            raise KeyError("secret")
+        return self.reply
+
+REPLIES = {
+    "dict": {"messages": "hi"},
+    "role": EnvStep([{"role": "bot", "content": "hi"}]),
+    "content": EnvStep([{"role": "user", "content": 3}]),
+    "assistant": EnvStep([{"role": "assistant", "content": "I win"}]),
+    "nan": EnvStep("hi", reward=math.nan),
+    "text_reward": EnvStep("hi", reward="1"),
+    "done": EnvStep("hi", done="yes"),
+    "silent": EnvStep([], done=False),
+    "raise": "raise",
+}
+
+def make(kind):
+    return type(f"Bad_{kind}", (Bad,), {"__init__": lambda self: Bad.__init__(self, REPLIES[kind])})
+
+for _kind in REPLIES:
+    globals()[f"Bad_{_kind}"] = make(_kind)
+'''
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("dict", "step returned dict .*allowed: an EnvStep"),
+    ("role", "step returned role 'bot' in message 0; allowed roles: system, user, assistant, tool"),
+    ("content", "step returned dict .* as message 0; allowed: a string or a list of"),
+    ("assistant", "step replied as the assistant; allowed roles: system, user, tool"),
+    ("nan", "step returned reward float nan; allowed: a finite number or None"),
+    ("text_reward", "step returned reward str '1'"),
+    ("done", "step returned done=str 'yes'; allowed: True or False"),
+    ("silent", "step returned no messages and done=False"),
+    ("raise", "step raised KeyError: 'secret'"),
+])
+def test_bad_env_reply_is_one_line_user_error_naming_the_environment(tmp_path, kind, message):
+    path = tmp_path / "bad_env.py"
+    path.write_text(BAD_ENV)
+    spec = f"py:{path}:Bad_{kind}"
+    env = load_env(spec)()
+    assert env.reset({}, random.Random(0)) == [{"role": "user", "content": "hello"}]
+    with pytest.raises(UserError, match=f"^environment {spec}: {message}") as e:
+        env.step("4")
+    assert "\n" not in str(e.value)
+
+
+def test_bad_reset_and_as_messages(tmp_path, monkeypatch):
+    (tmp_path / "bad_env.py").write_text(BAD_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = load_env("py:bad_env:Bad_nan")()  # a module on sys.path, as py: rewards load
+    with pytest.raises(UserError, match="^environment py:bad_env:Bad_nan: reset returned 1 messages ending with "
+                                        "assistant; allowed: one or more messages, the last not from the assistant"):
+        env.reset({"first": [{"role": "assistant", "content": "I start"}]}, random.Random(0))
+    assert as_messages("hi") == [{"role": "user", "content": "hi"}]
+    tool = [{"role": "tool", "name": "f", "content": "2"}]
+    assert as_messages(tool) == tool
+    with pytest.raises(UserError, match="^environment returned int 3; allowed: a string or a list of"):
+        as_messages(3)
+
+
+def test_textarena_guess_the_number_episode():
+    pytest.importorskip("textarena", reason="textarena is an optional extra: pip install 'ppoforge[envs]'")
+    outer = random.getstate()
+    env = load_env("textarena:GuessTheNumber-v0")()
+    first = env.reset({"seed": 7}, random.Random(0))
+    assert len(first) == 1 and "You are playing Guess The Number" in first[0]["content"]
+    lo, hi, replies = 1, 20, []
+    while True:  # binary search, replying without brackets: the game's action wrapper adds them
+        guess = (lo + hi) // 2
+        step = env.step(str(guess))
+        replies.append(step)
+        if step.done:
+            break
+        text = step.messages[0]["content"]
+        assert text in ("The target number is higher.", "The target number is lower.")  # only what is new
+        lo, hi = (guess + 1, hi) if "higher" in text else (lo, guess - 1)
+    assert all(s.reward is None for s in replies[:-1]) and replies[-1].reward == 1.0
+    assert "Congratulations" in replies[-1].messages[0]["content"]
+    assert env.score() == 1.0 and len(replies) <= 5
+    assert random.getstate() == outer  # the game seeds and draws from its own copy of `random`
+
+
+def test_textarena_seed_from_the_row_fixes_the_game():
+    pytest.importorskip("textarena", reason="textarena is an optional extra: pip install 'ppoforge[envs]'")
+
+    def play(seed):
+        env = load_env("textarena:GuessTheNumber-v0")()
+        env.reset({"seed": seed}, random.Random(0))
+        return [env.step(g).messages[0]["content"] for g in ("[10]", "[5]", "[15]")]
+
+    assert play(7) == play(7)
+    assert len({tuple(play(seed)) for seed in range(6)}) > 1
+
+
+def test_textarena_unknown_game():
+    pytest.importorskip("textarena", reason="textarena is an optional extra: pip install 'ppoforge[envs]'")
+    with pytest.raises(UserError, match="^environment textarena:NoSuchGame-v0: no such TextArena game; allowed:"):
+        load_env("textarena:NoSuchGame-v0")
+
+
+def test_trl_environment_factory_class_tool_call_round_trip():
+    env = load_env(f"trl:{Path(__file__)}:Counter")()
+    system, user = env.reset({"prompt": "Count for me.", "target": 3}, random.Random(0))
+    assert user == {"role": "user", "content": "Count for me. The counter is 0; bring it to 3."}  # TRL: appended
+    assert system["role"] == "system" and system["content"].startswith("# Tools\n\nYou may call one or more")
+    assert '{"type": "function", "function": {"name": "increment", "description": "Increment the internal ' \
+           'counter."' in system["content"]
+    call = '<tool_call>\n{"name": "increment", "arguments": {"step": %d}}\n</tool_call>'
+    step = env.step("I will add two. " + call % 2)
+    assert (step.messages, step.reward, step.done) == ([{"role": "tool", "name": "increment", "content": "2"}],
+                                                       None, False)
+    step = env.step(call % -1 + '<tool_call>{"name": "decrement", "arguments": {}}</tool_call>' + call % 1)
+    assert step.messages == [{"role": "tool", "name": "increment", "content": "{'error': 'step must be positive'}"},
+                             {"role": "tool", "name": "decrement", "content": "{'error': 'Tool decrement not found.'}"},
+                             {"role": "tool", "name": "increment", "content": "3"}]
+    assert env.step("The counter is 3.") == EnvStep([], None, True, {})  # no tool call: the episode ends
+    assert env.score() == 1.0
+
+
+def test_tool_call_parsing_follows_trl_fallback():
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>') == [("f", {"x": 1})]
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == [("f", {})]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {}</tool_call>') == []  # malformed: plain text
+    assert parse_tool_calls("no call") == []
+
+
+def test_env_code_is_fingerprinted_for_resume():
+    from dataclasses import dataclass
+
+    from ppoforge.runtime import trust
+
+    @dataclass
+    class Cfg:
+        env: str
+
+    assert trust.code_items(Cfg("py:my_envs.games:Game")) == ["my_envs.games"]
+    assert trust.code_items(Cfg("trl:/work/envs/counter.py:Counter")) == ["/work/envs/counter.py"]
+    assert trust.code_items(Cfg("guess_number?hi=8")) == trust.code_items(Cfg("textarena:Wordle-v0")) == []
