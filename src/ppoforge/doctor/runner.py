@@ -2,8 +2,9 @@
 
 The machine's facts that several checks share (GPU visibility, the container hint) are gathered once
 here. A check that crashes becomes a `fail` row instead of a traceback: the doctor must finish on the
-broken machines it exists for. `--quick` skips the slow checks (the all-reduce, the smoke runs and the
-matmul benchmark) so it fits a container HEALTHCHECK.
+broken machines it exists for. `--quick` skips the slow checks (the all-reduce, the smoke runs, the
+matmul benchmark and the chat-template probe, which imports transformers) so it fits a container
+HEALTHCHECK.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ppoforge.doctor import distributed, gpu, libraries, security, smoke, storage, system
+from ppoforge.doctor import distributed, gpu, libraries, security, smoke, storage, system, templates
 from ppoforge.doctor.report import (
     CAPABILITY_KEYS,
     DEFAULT_REQUIRE,
@@ -32,7 +33,7 @@ from ppoforge.doctor.report import (
 )
 from ppoforge.errors import UserError
 
-SLOW = ("allreduce", "control_smoke", "lm_smoke")  # skipped by --quick
+SLOW = ("allreduce", "control_smoke", "lm_smoke", "chat_template")  # skipped by --quick
 QUICK_SKIP = "not run (--quick)"
 
 
@@ -108,6 +109,7 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("fp16_step", lambda: smoke.check_precision_step("fp16", opts.device, capability)),
         ("libraries_core", lambda: libraries.check_libraries("core", installed)),
         ("libraries_lm", lambda: libraries.check_libraries("lm", installed)),
+        ("chat_template", lambda: templates.check_chat_template(templates.gather_templates())),
         ("checkpoint_roundtrip", lambda: storage.check_checkpoint_roundtrip(workdir)),
         ("runs_dir", lambda: storage.check_runs_dir(storage.gather_dir(opts.runs_root, container))),
         ("hf_cache", lambda: storage.check_hf_cache(storage.gather_dir(home, container), explicit,
