@@ -42,3 +42,24 @@ def _reverse_scan(delta, carry, out):
         last = delta[t] + carry[t] * last
         out[t] = last
     return out
+
+
+def pack_left(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 mask -> (B, T) int64 per-row permutation that moves the real entries to the front, in
+    order: `x.gather(1, order)` packs a row, `packed_out.scatter(1, order, ...)` unpacks. For a mask that
+    is already a prefix (a single-turn response) it is the identity.
+
+    Multi-turn sequences interleave policy and environment tokens; GAE's lambda-chain and value
+    bootstrap, and a reward-to-go's discount, must run over the policy's tokens only (verl does the
+    same), so the estimators see packed rows.
+    """
+    return torch.sort((mask == 0).to(torch.uint8), dim=1, stable=True).indices
+
+
+def over_real_tokens(fn, mask: torch.Tensor, *xs: torch.Tensor):
+    """fn(*packed xs, packed mask) on rows packed by `pack_left(mask)`; its outputs (a tensor or a tuple
+    of them, (B, T) each) unpacked to the original positions. 0 where mask is 0 if fn zeroes padding."""
+    order = pack_left(mask)
+    out = fn(*(x.gather(1, order) for x in xs), mask.gather(1, order))
+    unpack = lambda y: torch.empty_like(y).scatter_(1, order, y)  # noqa: E731
+    return tuple(unpack(y) for y in out) if isinstance(out, tuple) else unpack(out)

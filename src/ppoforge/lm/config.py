@@ -101,6 +101,19 @@ class RLHFConfig(FaultConfig):
                        choices=("reward", "loss"))
     clip_high: float | None = param(None, "upper ratio clip 1 + this, DAPO's clip-higher (none: 1 + clip)",
                                     gt=0, hi=100.0)
+    # ---- multi-turn episodes with an environment (lm/env.py, lm/multiturn.py, docs/environments.md)
+    env: str | None = param(None, "environment the policy talks with over several turns, one episode per "
+                            "prompt row: py:module:Class, textarena:GAME, trl:module:Class or a built-in name "
+                            "(guess_number); it scores the episodes (reward: env). none: single-turn prompts")
+    max_turns: int = param(1, "env: policy turns per episode (max_new_tokens is per turn)", lo=1, hi=10_000)
+    max_episode_tokens: int | None = param(None, "env: policy + environment tokens per episode after the prompt "
+                                           "(none: every turn's max_new_tokens plus the replies')", lo=1, hi=10**7)
+    max_env_tokens: int = param(128, "env: tokens per environment reply (longer: env_overflow)", lo=1, hi=10**7)
+    env_overflow: str = param("truncate", "env: a reply over max_env_tokens is cut in the middle (truncate) or "
+                              "ends the episode as a budget truncation (drop)", choices=("truncate", "drop"))
+    end_check: str = param("warn", "env: compare each episode's tokens with the chat template's rendering of its "
+                           "conversation: strict (a mismatch is an error), warn (counted in "
+                           "env/template_mismatch), off", choices=("strict", "warn", "off"))
     # ---- run
     total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1, hi=10**9, resume=True)
     seed: int = param(1, "seed for sampling, data order and initialization", lo=0, hi=2**32 - 1)
@@ -130,6 +143,14 @@ class RLHFConfig(FaultConfig):
         return self.batch_size * self.num_generations
 
     @property
+    def episode_tokens(self) -> int:
+        """Tokens after the prompt: max_new_tokens, or with an env the episode budget."""
+        if not self.env:
+            return self.max_new_tokens
+        return self.max_episode_tokens or (self.max_turns * self.max_new_tokens
+                                           + (self.max_turns - 1) * self.max_env_tokens)
+
+    @property
     def has_critic(self) -> bool:
         """Only GAE learns a value function; the critic-free estimators build no critic at all."""
         return self.advantage == "gae"
@@ -143,11 +164,12 @@ class RLHFConfig(FaultConfig):
 
     def finalize(self) -> None:
         check_device_name(self.device)
-        tokens = self.rollout_size * (self.max_prompt_tokens + self.max_new_tokens)
+        tokens = self.rollout_size * (self.max_prompt_tokens + self.episode_tokens)
         if tokens > MAX_ROLLOUT_TOKENS:
             raise UserError(f"batch_size: {self.batch_size} x num_generations {self.num_generations} x "
-                            f"(max_prompt_tokens + max_new_tokens) = {tokens:,} tokens per rollout; allowed: "
-                            f"<= {MAX_ROLLOUT_TOKENS:,}")
+                            f"(max_prompt_tokens + {'episode' if self.env else 'max_new'}_tokens) = {tokens:,} "
+                            f"tokens per rollout; allowed: <= {MAX_ROLLOUT_TOKENS:,}")
+        self._check_env()
         rollout = (f"batch_size {self.batch_size}" if self.num_generations == 1 else
                    f"batch_size x num_generations = {self.rollout_size}")
         if self.rollout_size % self.mini_batch_size:
@@ -160,6 +182,18 @@ class RLHFConfig(FaultConfig):
             raise UserError(f"critic_model: only the full layout has a separate critic model; allowed: none "
                             f"with layout {self.layout}")
         self._check_estimator()
+
+    def _check_env(self) -> None:
+        if not self.env:
+            changed = [name for name, default in (("max_turns", 1), ("max_episode_tokens", None))
+                       if getattr(self, name) != default]
+            if changed or self.reward == "env":
+                raise UserError(f"{(changed or ['reward'])[0]}: applies to multi-turn episodes; allowed without "
+                                "env: its default (set env to an environment)")
+            return
+        if self.reward != "env":
+            raise UserError(f"reward: {self.reward!r} with env {self.env!r}, which scores its own episodes; "
+                            "allowed: env")
 
     def _check_estimator(self) -> None:
         """Combinations of the advantage estimator, its KL and its critic that cannot work."""

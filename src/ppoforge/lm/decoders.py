@@ -51,6 +51,21 @@ class Decoder(Protocol):
 
     def step(self, tokens: torch.Tensor, t: int) -> Output: ...  # after feeding response token t (B,)
 
+    def extend(self, ids: torch.Tensor, valid: torch.Tensor) -> Output: ...  # after a (B, S) chunk, holes allowed
+
+
+def chunk_attention(keys: torch.Tensor, valid: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `extend`: write the chunk's validity into the key mask `keys` (B, capacity) at slots [start,
+    start + S) and return the chunk queries' (B, 1, S, start + S) bool mask — causal, real keys only, the
+    diagonal always (as `causal_mask`) — and the row-wise (B, S) offsets of its real tokens (cumsum - 1)."""
+    n = valid.shape[1]
+    end = start + n
+    keys[:, start:end] = valid
+    causal = torch.ones(n, end, dtype=torch.bool, device=valid.device).tril(diagonal=start)
+    allowed = keys[:, None, :end] & causal[None]
+    allowed[:, torch.arange(n, device=valid.device), torch.arange(start, end, device=valid.device)] = True
+    return allowed[:, None], valid.long().cumsum(1) - 1
+
 
 def plain_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, module.bias
@@ -80,15 +95,25 @@ class HFDecoder:
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape
-        keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
-        self.step_bias = as_attention_bias(keys[:, None, None, :], self.model)  # (B, 1, 1, P + T), sliced per step
+        self.keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
+        self.step_bias = as_attention_bias(self.keys[:, None, None, :], self.model)  # (B, 1, 1, P + T), per step
         pos = position_ids(prompt_mask)
         self.next_pos = pos[:, -1:] + 1  # left padding puts every row's last real token at the end
+        self.filled = self.n_prompt  # cache slots written (by prefill and `extend`; `step` counts in t)
         self.cache = DynamicCache(config=self.model.config)
         return self._logits(prompt_ids, as_attention_bias(causal_mask(prompt_mask), self.model), pos)
 
     def step(self, tokens, t):
         return self._logits(tokens[:, None], self.step_bias[..., :self.n_prompt + t + 1], self.next_pos + t)
+
+    def extend(self, ids, valid):
+        """Append a (B, S) chunk whose `valid` (B, S) bool marks each row's real tokens; the holes take
+        cache slots no later query attends to, and positions count real tokens only (see LlamaDecoder)."""
+        allowed, offsets = chunk_attention(self.keys, valid, self.filled)
+        self.filled += ids.shape[1]
+        pos = (self.next_pos + offsets).clamp(min=0)
+        self.next_pos = self.next_pos + valid.sum(1, keepdim=True)
+        return self._logits(ids, as_attention_bias(allowed, self.model), pos)
 
 
 class _Layer:
@@ -327,10 +352,11 @@ class LlamaDecoder:
         x, dtype = self._embed_and_prepare(prompt_ids)
         self._prepare_adapters(dtype)
         self.caches = self._new_caches(batch, self.n_prompt + max_new_tokens, dtype, x.device)
-        keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
-        self.step_mask = keys[:, None, None, :]  # (B, 1, 1, P + T), sliced per step
+        self.keys = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
+        self.step_mask = self.keys[:, None, None, :]  # (B, 1, 1, P + T), sliced per step
         pos = position_ids(prompt_mask)
         self.next_pos = pos[:, -1:] + 1
+        self.filled = self.n_prompt  # cache slots written (by prefill and `extend`; `step` counts in t)
         cos, sin = self.rotary(x, pos)
         return self._forward(x, cos, sin, 0, causal_mask(prompt_mask))
 
@@ -339,6 +365,20 @@ class LlamaDecoder:
         cos, sin = self.rotary(x, self.next_pos + t)
         slot = self.n_prompt + t
         return self._forward(x, cos, sin, slot, self.step_mask[..., :slot + 1])
+
+    def extend(self, ids, valid):
+        """Append a (B, S) chunk at the next cache slots: one decode step (S = 1) or an environment's reply
+        (chunked prefill). `valid` (B, S) bool marks each row's real tokens — rows of a batch append
+        different numbers (turns end at different lengths) — and the holes take slots that no later
+        query attends to; positions count real tokens only, so a row's sequence is the one it would be
+        alone, without holes. The slots `prefill(..., max_new_tokens)` reserved bound the chunks' total."""
+        x = F.embedding(ids, self.embed)
+        start = self.filled
+        allowed, offsets = chunk_attention(self.keys, valid, start)
+        self.filled += ids.shape[1]
+        cos, sin = self.rotary(x, (self.next_pos + offsets).clamp(min=0))
+        self.next_pos = self.next_pos + valid.sum(1, keepdim=True)
+        return self._forward(x, cos, sin, start, allowed)
 
 
 def decoder_for(model: nn.Module) -> Decoder:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ppoforge.core.advantages import gae
+from ppoforge.core.advantages import gae, over_real_tokens
 from ppoforge.core.critic_free import (
     group_mean,
     group_reward_stats,
@@ -34,16 +34,22 @@ if TYPE_CHECKING:
 @dataclass
 class Rollout:
     ids: torch.Tensor        # (B, P + T) prompt then response tokens
-    mask: torch.Tensor       # (B, P + T) float 0/1: real prompt tokens, then the response mask
+    mask: torch.Tensor       # (B, P + T) float 0/1: real prompt tokens, then the response's real tokens
     resp: torch.Tensor       # (B, T) response ids, right-padded
-    resp_mask: torch.Tensor  # (B, T) float 0/1: up to and including the first stop token
+    resp_mask: torch.Tensor  # (B, T) float 0/1: the policy's tokens (up to and including the first stop
+    #                          token; in a multi-turn episode, every turn's, not the environment's)
     logp: torch.Tensor       # (B, T) fp32 log-probs under the policy that sampled
     ref_logp: torch.Tensor | None  # (B, T) fp32 log-probs under the reference (None: kl_coef 0, no pass)
     values: torch.Tensor | None    # (B, T) fp32 V(prefix before each response token), 0 on padding
     #                                (None: a critic-free estimator)
     scores: torch.Tensor     # (B,) reward-function scores
+    turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward on its last policy token
     adv: torch.Tensor | None = None  # (B, T) advantages: whitened GAE, or the critic-free estimator's
     ret: torch.Tensor | None = None  # (B, T) returns = GAE advantages + values (GAE only)
+
+    def step_rewards(self, non_score: torch.Tensor) -> torch.Tensor:
+        """(B, T) the per-token rewards besides the final score: KL terms plus any turn rewards."""
+        return non_score if self.turn_rewards is None else non_score + self.turn_rewards
 
     def detached(self) -> Rollout:
         """A copy usable by autograd: inference-mode tensors cannot be saved for backward."""
@@ -81,7 +87,7 @@ def non_score_rewards(kl: torch.Tensor, resp_mask: torch.Tensor, beta: float) ->
 
 def with_scores(non_score: torch.Tensor, scores: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) the per-token rewards `non_score` plus each response's score (B,) on its last real token."""
-    last = resp_mask.sum(1).long().clamp(min=1) - 1  # (B,) index of the last real token
+    last = resp_mask.shape[1] - 1 - resp_mask.flip(1).argmax(1)  # (B,) index of the last real token
     rewards = non_score.clone()
     rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores
     return rewards
@@ -101,49 +107,58 @@ def rollout_metrics(b: Rollout, finished: torch.Tensor, kl: torch.Tensor, non_sc
                     group_size: int) -> dict[str, torch.Tensor]:
     """TRL's PPO `objective/` names and its GRPO ones (`reward`, `completions/clipped_ratio`, and with
     groups `reward_std`, `frac_reward_zero_std`); no `objective/kl` without a reference pass."""
+    scores = b.scores if b.turn_rewards is None else b.scores + b.turn_rewards.sum(1)  # an episode's return
     out = {"objective/entropy": -b.logp.sum(1).mean(),
            "objective/non_score_reward": non_score.sum(1).mean(),
-           "objective/rlhf_reward": (b.scores + non_score.sum(1)).mean(),
-           "objective/scores": b.scores.mean(),
+           "objective/rlhf_reward": (scores + non_score.sum(1)).mean(),
+           "objective/scores": scores.mean(),
            "val/num_eos_tokens": finished.sum().float(),
            "objective/response_length": b.resp_mask.sum(1).mean(),
-           "reward": b.scores.mean(), "completions/clipped_ratio": 1.0 - finished.float().mean()}
+           "reward": scores.mean(), "completions/clipped_ratio": 1.0 - finished.float().mean()}
     if b.ref_logp is not None:
         out["objective/kl"] = kl.sum(1).mean()
     if group_size > 1:
-        out |= group_reward_stats(b.scores, group_size)
+        out |= group_reward_stats(scores, group_size)
     return out
 
 
 def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Tensor, gamma: float,
                lam: float, whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over response tokens; the episode terminates after the last real token (no bootstrap).
-
-    Returns (whitened advantages, returns), (B, T), 0 on padding.
+    """GAE over the policy's tokens (`resp_mask`); the episode terminates after the last one (no
+    bootstrap). Multi-turn rows are packed first (`over_real_tokens`): the lambda-chain and the
+    bootstrap skip the environment's tokens, so V at a turn's end bootstraps from V at the next turn's
+    first policy token. Returns (whitened advantages, returns), (B, T), 0 where resp_mask is 0.
     """
     if whiten_rewards:
         rewards = whiten(rewards, resp_mask, shift_mean=False)
+    adv, ret = over_real_tokens(lambda r, v, m: _packed_gae(r, v, m, gamma, lam), resp_mask, rewards, values)
+    return whiten(adv, resp_mask), ret
+
+
+def _packed_gae(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Tensor, gamma: float, lam: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over rows whose real tokens are a prefix (resp_mask): (advantages, returns), 0 on padding."""
     values = values * resp_mask
     next_mask = torch.cat([resp_mask[:, 1:], torch.zeros_like(resp_mask[:, :1])], 1)
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
     done = 1.0 - next_mask  # 1 at the last real token and on padding
     adv, ret = gae(rewards.T.contiguous(), values.T.contiguous(), next_values.T.contiguous(),
                    done.T.contiguous(), done.T.contiguous(), gamma, lam)
-    adv, ret = adv.T * resp_mask, ret.T * resp_mask
-    return whiten(adv, resp_mask), ret
+    return adv.T * resp_mask, ret.T * resp_mask
 
 
 # ---- the estimators: (rollout, per-token KL rewards (B, T), config) -> (advantages (B, T), returns | None)
 
 def gae_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """PPO: GAE over the per-token rewards with the critic's values, whitened."""
-    rewards = with_scores(non_score, b.scores, b.resp_mask)
+    rewards = with_scores(b.step_rewards(non_score), b.scores, b.resp_mask)
     return advantages(rewards, b.values, b.resp_mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
 
 
 def _sequence_rewards(b: Rollout, non_score: torch.Tensor) -> torch.Tensor:
-    """(B,) score - beta * sum_t KL_t (just the score with kl_in: loss), as TRL's RLOO."""
-    return b.scores + non_score.sum(1)
+    """(B,) score - beta * sum_t KL_t (just the score with kl_in: loss), as TRL's RLOO; plus the turn
+    rewards of a multi-turn episode."""
+    return b.scores + b.step_rewards(non_score).sum(1)
 
 
 def grpo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
@@ -160,13 +175,18 @@ def rloo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
 
 def reinforce_pp_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """REINFORCE++: the per-token rewards' reward-to-go, whitened over the rollout's tokens."""
-    return reinforce_pp_advantages(with_scores(non_score, b.scores, b.resp_mask), b.resp_mask, cfg.gamma), None
+    return _reinforce_pp(with_scores(b.step_rewards(non_score), b.scores, b.resp_mask), b.resp_mask, cfg.gamma), None
 
 
 def reinforce_pp_baseline_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """REINFORCE++-baseline: REINFORCE++ with each score minus its group's mean score."""
     centered = b.scores - group_mean(b.scores, cfg.num_generations)
-    return reinforce_pp_advantages(with_scores(non_score, centered, b.resp_mask), b.resp_mask, cfg.gamma), None
+    return _reinforce_pp(with_scores(b.step_rewards(non_score), centered, b.resp_mask), b.resp_mask, cfg.gamma), None
+
+
+def _reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ whose discount runs over the policy's tokens only (packed, as in `advantages`)."""
+    return over_real_tokens(lambda r, m: reinforce_pp_advantages(r, m, gamma), mask, rewards)
 
 
 ESTIMATORS = {"gae": gae_estimate, "grpo": grpo_estimate, "rloo": rloo_estimate,

@@ -41,6 +41,13 @@ class Samples:
     finished: torch.Tensor       # (B,) bool: the response ended with a stop token (else it ran out)
     hidden: torch.Tensor | None = None  # (B, T, H) final hidden state before each response token, when
     #                                     the decoder has it: a value head on the policy's trunk reads it
+    token_mask: torch.Tensor | None = None  # (B, T) float: every real token, where that is more than the
+    #                                         policy's (multi-turn episodes: lm/multiturn.py); None: response_mask
+
+    @property
+    def attended(self) -> torch.Tensor:
+        """(B, T) the response's real tokens: what the model attends to."""
+        return self.response_mask if self.token_mask is None else self.token_mask
 
 
 def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -34,7 +34,8 @@ class Components:
     prompt_ids: list[list[int]]      # their rendered, tokenized, truncated prompts
     heldout_rows: list[dict]
     heldout_ids: list[list[int]]
-    score: Callable                  # (prompts, completions, finished, rows) -> (B,) float32 scores
+    score: Callable | None           # (prompts, completions, finished, rows) -> (B,) float32 scores; None
+    #                                  with an env (it scores its episodes, and renders their prompts)
 
 
 def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
@@ -73,11 +74,11 @@ def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_to
 def check_sequence_fits(cfg: RLHFConfig, model_config) -> None:
     """A prompt plus a response must fit the model's positions (RoPE tables, absolute embeddings)."""
     limit = getattr(model_config, "max_position_embeddings", None)
-    need = cfg.max_prompt_tokens + cfg.max_new_tokens
+    need = cfg.max_prompt_tokens + cfg.episode_tokens
+    what = "max_episode_tokens" if cfg.env else "max_new_tokens"
     if limit and need > limit:
-        raise UserError(f"max_new_tokens: max_prompt_tokens {cfg.max_prompt_tokens} + max_new_tokens "
-                        f"{cfg.max_new_tokens} = {need} positions, more than the model's {limit}; allowed: "
-                        f"a sum <= {limit}")
+        raise UserError(f"{what}: max_prompt_tokens {cfg.max_prompt_tokens} + {what} {cfg.episode_tokens} = "
+                        f"{need} positions, more than the model's {limit}; allowed: a sum <= {limit}")
 
 
 def attention_for(choice: str, device: torch.device) -> str | None:
@@ -124,6 +125,9 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
+    if cfg.env:  # the environment's reset() gives each episode's first messages, and it scores the episode
+        return Components(device, precision, tokenizer, layout, stops, rows, [[] for _ in rows], heldout,
+                          [[] for _ in heldout], None)
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
                                  dtype=frozen_dtype, attn_implementation=attn)

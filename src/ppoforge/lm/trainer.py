@@ -37,6 +37,7 @@ from ppoforge.core.losses import clip_stats, policy_loss, value_loss
 from ppoforge.core.stats import masked_mean
 from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.logprobs import token_logprobs
+from ppoforge.lm.multiturn import Episodes, Episodic, episode_metrics
 from ppoforge.lm.rollout import ESTIMATORS, Rollout, left_pad, non_score_rewards, rollout_metrics
 from ppoforge.lm.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
 from ppoforge.lm.scoring import RolloutScoring
@@ -100,7 +101,9 @@ class RLHFTrainer:
         self.scoring = RolloutScoring(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
                                       critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not self.on_policy)
         self.estimate = ESTIMATORS[cfg.advantage]  # (rollout, KL rewards, cfg) -> (advantages, returns)
-        self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens)  # (reduce, units) of every loss term
+        # (reduce, units) of every loss term; seq_sum_norm's constant is the most policy tokens a row can have
+        self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens * cfg.max_turns)
+        self.episodes = Episodic(cfg, self.tokenizer) if cfg.env else None  # multi-turn: lm/multiturn.py
         self.kl_loss = cfg.kl_in == "loss" and cfg.kl_coef > 0
         self.loss_keys, self.token_keys = stat_keys(cfg)
         self.gen = torch.Generator(self.parts.device).manual_seed(cfg.seed)
@@ -182,6 +185,27 @@ class RLHFTrainer:
         samples = concat_samples(parts, self.sampling.pad_id)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
+    def sample_batch(self, rows: list[dict], token_rows: list[list[int]], seeds: list[int] | None,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Samples, list[str], torch.Tensor]:
+        """One batch's (prompt + response ids, prompt mask, samples, texts, scores): prompts sampled and
+        scored by the reward, or with an env, episodes played (`seeds`: each row's environment seed) and
+        scored by their environments (the final score; turn rewards are in the samples)."""
+        if self.episodes is None:
+            ids, prompt_mask, samples = self.generate(token_rows, generator)
+            texts = self.completions(samples)
+            return ids, prompt_mask, samples, texts, self.score(rows, texts, samples)
+        with self.layout.decoder() as decoder, self.precision.autocast():
+            prompt_ids, prompt_mask, episodes = self.episodes.play(decoder, rows, seeds, generator, self.sampling,
+                                                                   self.parts.device)
+        ids = torch.cat([prompt_ids, episodes.response_ids], 1)
+        return ids, prompt_mask, episodes, episodes.transcripts, episodes.scores
+
+    def prompt_texts(self, rows: list[dict], samples: Samples) -> list[str]:
+        """The table's prompt column: the prompt field, or an episode's first message(s)."""
+        if isinstance(samples, Episodes):
+            return samples.first_messages
+        return [r[self.cfg.prompt_field] for r in rows]
+
     def completions(self, samples: Samples) -> list[str]:
         lengths = samples.response_mask.sum(1).long().tolist()
         return self.tokenizer.batch_decode([ids[:n] for ids, n in zip(samples.response_ids.tolist(), lengths,
@@ -206,7 +230,8 @@ class RLHFTrainer:
         with self.precision.autocast():
             logp, values, ref_logp = self.scoring(ids, mask, samples)
         m = samples.response_mask
-        return Rollout(ids, mask, samples.response_ids, m, logp * m, _masked(ref_logp, m), _masked(values, m), scores)
+        return Rollout(ids, mask, samples.response_ids, m, logp * m, _masked(ref_logp, m), _masked(values, m), scores,
+                       getattr(samples, "turn_rewards", None))
 
     def rollout_kl(self, b: Rollout) -> torch.Tensor:
         """(B, T) per-token KL of the sampling policy to the reference; 0 without a reference pass."""
@@ -289,14 +314,21 @@ class RLHFTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # 1. prompts -> responses (eval mode, no grad, KV cache); each prompt num_generations times in a row
-        idx = [i for i in self.next_prompts() for _ in range(cfg.num_generations)]
+        #    (with an env: episodes played, the G of a prompt with one environment seed)
+        prompts = self.next_prompts()
+        idx = [i for i in prompts for _ in range(cfg.num_generations)]
         rows = [self.parts.rows[i] for i in idx]
-        ids, prompt_mask, samples = self.generate([self.parts.prompt_ids[i] for i in idx], self.gen)
+        seeds = None
+        if self.episodes is not None:
+            draws = torch.randint(2**62, (len(prompts),), generator=self.gen, device=self.gen.device).tolist()
+            seeds = [s for s in draws for _ in range(cfg.num_generations)]
+        # 2. score: reward on the decoded text (or the environments' scores); then the reference
+        #    log-probs (and what the sampler lacks) in a pass
+        ids, prompt_mask, samples, texts, raw_scores = self.sample_batch(
+            rows, [self.parts.prompt_ids[i] for i in idx], seeds, self.gen)
         gen_s = time.perf_counter() - start
-        # 2. score: reward on the decoded text; reference log-probs (and what the sampler lacks) in a pass
-        texts = self.completions(samples)
-        finite, scores = self.guard.rewards_ok(self.score(rows, texts, samples), cfg.reward_clip)
-        mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
+        finite, scores = self.guard.rewards_ok(raw_scores, cfg.reward_clip)
+        mask = torch.cat([prompt_mask.float(), samples.attended], 1)
         b = self.logprobs_and_values(ids, mask, samples, scores).detached()
         # 3. advantages over the whole rollout, before PPO shuffles it: per-token rewards (-beta * KL with
         #    kl_in: reward, the score at the last token) -> GAE, or a critic-free estimator (its groups)
@@ -313,6 +345,8 @@ class RLHFTrainer:
         self.update += 1
         objective = rollout_metrics(b, samples.finished, kl, non_score, cfg.num_generations)
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
+        if isinstance(samples, Episodes):
+            metrics |= episode_metrics(samples)
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
         metrics.update({**self.guard.counts, "guard/micro_batch_size": self.micro_batch,
                         "guard/generation_batch_size": self.gen_batch,
@@ -320,8 +354,9 @@ class RLHFTrainer:
                         "perf/samples_per_s": n / elapsed,
                         "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed})
-        table = [{"prompt": r[cfg.prompt_field], "completion": t, "score": s}
-                 for r, t, s in zip(rows, texts, b.scores.tolist(), strict=True)]
+        returns = b.scores if b.turn_rewards is None else b.scores + b.turn_rewards.sum(1)
+        table = [{"prompt": p, "completion": t, "score": s}
+                 for p, t, s in zip(self.prompt_texts(rows, samples), texts, returns.tolist(), strict=True)]
         return metrics, table
 
     # ---- held-out evaluation and the run loop -------------------------------------------------------
@@ -331,6 +366,8 @@ class RLHFTrainer:
         if not self.parts.heldout_rows:
             return None
         gen = torch.Generator(self.parts.device).manual_seed(self.cfg.seed + 1)
+        # with an env, held-out prompt i always plays environment seed (seed, i): the same episodes each time
+        env_seed = lambda i: int(np.random.default_rng([self.cfg.seed, 1, i]).integers(2**62))  # noqa: E731
         k, bs = self.cfg.heldout_samples, self.cfg.batch_size
         # each prompt k times in a row: (prompt, sample) pairs, batched like training rollouts
         pairs = [(i, j) for i in range(len(self.parts.heldout_rows)) for j in range(k)]
@@ -338,11 +375,13 @@ class RLHFTrainer:
         for s in range(0, len(pairs), bs):
             batch = pairs[s:s + bs]
             rows = [self.parts.heldout_rows[i] for i, _ in batch]
-            _, _, samples = self.generate([self.parts.heldout_ids[i] for i, _ in batch], gen)
-            texts = self.completions(samples)
-            scores = self.score(rows, texts, samples).tolist()
-            table += [{"prompt": r[self.cfg.prompt_field], "sample": j, "completion": t, "score": x}
-                      for r, (_, j), t, x in zip(rows, batch, texts, scores, strict=True)]
+            _, _, samples, texts, scores = self.sample_batch(rows, [self.parts.heldout_ids[i] for i, _ in batch],
+                                                             [env_seed(i) for i, _ in batch], gen)
+            if isinstance(samples, Episodes):
+                scores = samples.returns()
+            table += [{"prompt": p, "sample": j, "completion": t, "score": x}
+                      for p, (_, j), t, x in zip(self.prompt_texts(rows, samples), batch, texts, scores.tolist(),
+                                                 strict=True)]
         return sum(r["score"] for r in table) / len(table), table
 
     def run(self) -> TrainResult:
