@@ -225,6 +225,51 @@ def test_trl_environment_factory_class_tool_call_round_trip():
     assert env.score() == 1.0
 
 
+class NoReward:
+    def reset(self, **kwargs):
+        return None
+
+    async def shout(self, text: str) -> str:
+        """
+        Shout the text.
+
+        Args:
+            text: What to shout.
+        """
+        return text.upper()
+
+
+class NoDocstring:
+    def reset(self, **kwargs):
+        return None
+
+    def tool(self, x: int) -> int:
+        return x
+
+
+class NoReset:
+    def tool(self, x: int) -> int:
+        """
+        A tool.
+
+        Args:
+            x: A number.
+        """
+        return x
+
+
+def test_trl_class_without_reward_async_tool_and_bad_classes():
+    env = load_env(f"trl:{Path(__file__)}:NoReward")()
+    assert env.reset({}, random.Random(0))[1] == {"role": "user", "content": ""}  # no prompt, reset said nothing
+    step = env.step('<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>')
+    assert step.messages == [{"role": "tool", "name": "shout", "content": "HI"}]
+    assert env.score() is None  # no get_reward: the run's reward functions score the episode
+    for cls, message in (("NoDocstring", "a tool's schema cannot be built"), ("NoReset", "has no reset method")):
+        with pytest.raises(UserError, match=f"^environment trl:{cls}.*{message}") as e:
+            load_env(f"trl:{Path(__file__)}:{cls}")()
+        assert "\n" not in str(e.value)
+
+
 def test_tool_call_parsing_follows_trl_fallback():
     assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>') == [("f", {"x": 1})]
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == [("f", {})]

@@ -190,4 +190,7 @@ class TRLEnvironment:
 
     def score(self) -> float | None:
         """`get_reward()` when the class defines it (TRL calls it once per finished rollout), else None."""
-        return None if self._get_reward is None else self._get_reward()
+        if self._get_reward is None:
+            return None
+        out = self._get_reward()
+        return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL takes an async get_reward too
