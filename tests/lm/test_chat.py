@@ -3,11 +3,15 @@ check, and the prefix-preserving probe, on the tiny ChatML tokenizer, SmolLM2's 
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 
 from ppoforge.errors import UserError
 from ppoforge.lm import smollm2
 from ppoforge.lm.chat import ChatRenderer, prefix_preserving
+from ppoforge.lm.env import load_env
 from ppoforge.lm.tiny import tiny_tokenizer
 
 # Qwen3's rule, cut down: assistant turns before the last user message lose their <think> block.
@@ -141,3 +145,22 @@ def test_no_template_and_bad_end_check_are_one_line_errors(tok):
         ChatRenderer(bare)
     with pytest.raises(UserError, match="end_check: 'loud' is not allowed; allowed: strict, warn, off"):
         ChatRenderer(tok, end_check="loud")
+
+
+def test_a_trl_tool_episode_renders_token_in_token_out(tok):
+    env = load_env(f"trl:{Path(__file__).parent / 'test_env.py'}:Counter")()
+    renderer = ChatRenderer(tok, end_check="strict")
+    conversation = env.reset({"prompt": "Count for me.", "target": 2}, random.Random(0))
+    trajectory = renderer.prompt_ids(conversation)
+    for reply in ('<tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call>', "Done: 2."):
+        policy = _ids(tok, reply) + [tok.eos_token_id]
+        trajectory += policy
+        conversation.append({"role": "assistant", "content": reply})
+        step = env.step(reply)
+        if step.done:
+            break
+        trajectory += renderer.env_ids(conversation, policy, True, step.messages)
+        conversation += step.messages
+    assert conversation[3] == {"role": "tool", "name": "increment", "content": "2"} and env.score() == 1.0
+    assert renderer.check_episode(conversation, trajectory) is None
+    assert tok.decode(trajectory).endswith('<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\nDone: 2.<|im_end|>')
