@@ -9,6 +9,8 @@ tokenizer (always: it is built here in ~0.1 s) and on SmolLM2's when its checkpo
 
 from __future__ import annotations
 
+import importlib.util
+
 from ppoforge.doctor.report import CheckResult, ok, skip, warn
 
 NAME = "chat_template"
@@ -16,9 +18,9 @@ FIX = ("multi-turn environments refuse a template that rewrites earlier turns: s
        "prefix-preserving one (TRL's get_training_chat_template returns one for Qwen3 and other known models)")
 
 
-def gather_templates() -> dict[str, tuple[bool, str]] | None:
-    """{model: prefix_preserving(its tokenizer)} for the tiny LM and a built SmolLM2; None without
-    transformers."""
+def gather_templates() -> dict[str, tuple[bool, str] | None] | None:
+    """{model: prefix_preserving(its tokenizer)} for the tiny LM and a built SmolLM2 (None: SmolLM2 is
+    installed but not built); None without transformers."""
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:
@@ -27,16 +29,24 @@ def gather_templates() -> dict[str, tuple[bool, str]] | None:
     from ppoforge.lm.chat import prefix_preserving
     from ppoforge.lm.tiny import tiny_tokenizer
 
-    found = {"tiny Qwen2": prefix_preserving(tiny_tokenizer())}
+    found: dict[str, tuple[bool, str] | None] = {"tiny Qwen2": prefix_preserving(tiny_tokenizer())}
     if (smollm2.cache_dir() / "tokenizer.json").is_file():
         found[smollm2.NAME] = prefix_preserving(PreTrainedTokenizerFast.from_pretrained(smollm2.cache_dir()))
+    elif importlib.util.find_spec(smollm2.PACKAGE) is not None:
+        found[smollm2.NAME] = None  # installed, not built: not checked
     return found
 
 
-def check_chat_template(found: dict[str, tuple[bool, str]] | None) -> CheckResult:
+def _line(model: str, result: tuple[bool, str] | None) -> str:
+    if result is None:
+        return f"{model}: not built yet, not checked (ppoforge demo builds it)"
+    good, why = result
+    return f"{model}: prefix-preserving" if good else f"{model}: not prefix-preserving ({why})"
+
+
+def check_chat_template(found: dict[str, tuple[bool, str] | None] | None) -> CheckResult:
     if found is None:
         return skip(NAME, "transformers not installed (libraries_lm says how to install it)")
-    evidence = "; ".join(f"{model}: {'prefix-preserving' if good else 'not prefix-preserving'}"
-                         + ("" if good else f" ({why})") for model, (good, why) in found.items())
-    bad = [model for model, (good, _) in found.items() if not good]
+    evidence = "; ".join(_line(model, result) for model, result in found.items())
+    bad = [model for model, result in found.items() if result is not None and not result[0]]
     return warn(NAME, evidence, FIX) if bad else ok(NAME, evidence)
