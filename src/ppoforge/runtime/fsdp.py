@@ -1,0 +1,217 @@
+"""FSDP2 for the `full` layout: shard a model over ranks, gather it for the lean decode, reshardable checkpoints.
+
+- `shard_model` applies `torch.distributed.fsdp.fully_shard` to every decoder layer (the classes a Hugging
+  Face model names in `_no_split_modules`: `Qwen2DecoderLayer`, `LlamaDecoderLayer`, ...) and then to the
+  root, which keeps the embeddings, the final norm and the LM head (tied or not) in one group. Each rank
+  then holds 1/world of every parameter (a `DTensor`) and of the optimizer state; a layer's full weights
+  exist only between its pre-forward all-gather and its post-forward reshard.
+- `full_weights` is for code that reads `module.weight` itself instead of calling the module:
+  `lm.decoders.LlamaDecoder` does, so FSDP's forward hooks never fire for it and it would see shards.
+  Inside the context every FSDP group is unsharded (all-gathered, in the mixed-precision `param_dtype`),
+  so `module.weight` is a plain full `nn.Parameter`; on exit the groups are resharded and the gathered
+  storage is freed. The price is the whole model's weights on each rank for the length of the decode;
+  a model whose weights alone do not fit one device must decode with `decoder: hf`, whose forward runs
+  the hooks (one layer gathered at a time) and needs no context.
+- `save_sharded` / `load_sharded` go through `torch.distributed.checkpoint` with
+  `get_state_dict` / `set_state_dict`, which name parameters and optimizer state by fully qualified name
+  and record each shard's offsets: a checkpoint saved by N ranks loads on M (1 -> 2, 2 -> 1, and a plain
+  process with no process group), sharded or not. A checkpoint is a directory, written beside its final
+  place and renamed into it, so a crash leaves the old checkpoint or the new one (see `_swap_in`).
+
+Integration into the trainer (not done here; lm/ is edited elsewhere), recommended:
+1. setup: after building the policy and value models on the device, `shard_model(model, precision)` on
+   each trainable one before building its optimizer (the optimizer must see the DTensor parameters);
+   shard the frozen reference and reward models too (their forwards run the hooks). With a bf16
+   `MixedPrecisionPolicy` run `Precision("fp32")` (no autocast): FSDP casts the gathered weights itself.
+2. rollout: `with torch.no_grad(), full_weights(policy): decoder = LlamaDecoder(policy); sample(...)`.
+   Build the decoder inside the context (it keeps references to the gathered tensors, which are freed
+   on exit) and do not call the model's own forward inside it (its post-forward hook reshards).
+3. update: unchanged; `clip_grad_norm_` works on the DTensor grads (the norm is over the whole model).
+   Divide the loss by the global token count (`core.accumulation`): FSDP averages gradients over ranks.
+4. checkpoint: `save_sharded(run_dir / "checkpoint", model, optimizer, extra)` on every rank, with the
+   update counter, config, RNG (rank 0's) and metrics state in `extra`; `load_sharded` on resume.
+FSDP2 on CPU (gloo) needs a torch whose `torch.cpu.Stream` has `record_event` (2.13 does, tested); torch 2.6
+does not (`cpu_unsupported_reason`): there FSDP2 is CUDA-only, while the checkpoints work for unsharded
+models on any number of ranks (tested on both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from ppoforge.errors import UserError
+
+EXTRA_FILE = "extra.pt"  # weights_only-safe values beside the sharded tensors, written by rank 0
+
+
+def cpu_unsupported_reason() -> str | None:
+    """Why FSDP2 cannot run on CPU (gloo) with this torch, or None when it can. torch 2.6's fully_shard
+    records a stream event around every all-gather, and its CPU stream has no events."""
+    if hasattr(torch.cpu.Stream, "record_event"):
+        return None
+    return (f"FSDP2 on CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks: the first "
+            "all-gather of fully_shard fails with AttributeError: 'Stream' object has no attribute 'record_event'")
+
+
+def mp_policy(precision: str | MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """FSDP's casting policy for a precision name: `fp32` none; `bf16` gathers bf16 weights (forward and
+    backward compute in bf16) and reduces gradients in fp32, so the sharded fp32 master weights and their
+    optimizer step stay fp32. A `MixedPrecisionPolicy` passes through unchanged."""
+    if isinstance(precision, MixedPrecisionPolicy):
+        return precision
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "fp16":
+        # GradScaler's inf check sees only this rank's shard: ranks would disagree on skipping a step
+        raise UserError("precision: fp16 is not supported under FSDP (its GradScaler would need a found-inf "
+                        "all-reduce across ranks); allowed: fp32, bf16")
+    raise UserError(f"precision: {precision!r} under FSDP; allowed: fp32, bf16 (resolve `auto` first: "
+                    "runtime.precision.resolve_precision)")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules whose class a Hugging Face model names in `_no_split_modules` (its decoder layers),
+    in order. Read from every submodule, so a wrapped model (a value head, peft) is found too."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserError(f"fsdp: found no decoder layers in {type(model).__name__} (no submodule of a class named "
+                        "in `_no_split_modules`); allowed: a Hugging Face transformers model")
+    return layers
+
+
+def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh=None) -> nn.Module:
+    """fully_shard each decoder layer, then the root; returns `model`, now an FSDPModule, in place.
+
+    Needs an initialized process group. `mesh` defaults to one dimension over every rank on the device
+    type of the model's parameters (a CUDA model should already be on this rank's device)."""
+    device = next(model.parameters()).device
+    if device.type == "cpu" and (reason := cpu_unsupported_reason()):
+        raise UserError(f"fsdp: {reason}; allowed: a CUDA device, or a newer torch on CPU")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = mp_policy(mp)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    # the root too (torch > 2.6 would keep it gathered from forward to backward): a no-grad forward (a
+    # rollout, the reference pass) would otherwise leave embeddings and LM head gathered until the next
+    # backward, and an optimizer built meanwhile would hold the gathered tensors instead of the shards
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    return model
+
+
+@contextlib.contextmanager
+def full_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """All of `model`'s parameters gathered, as plain tensors, for the length of the context (see the
+    module docstring); nothing happens for a model without FSDP. Collective: every rank must enter."""
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for group in groups:
+        group.unshard()  # not recursive: one call per group
+    try:
+        yield model
+    finally:
+        for group in reversed(groups):
+            group.reshard()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _aside(path: Path, what: str) -> Path:
+    return path.parent / f".{path.name}.{what}"
+
+
+def _recover(path: Path) -> None:
+    """Rank 0 finishes a swap a crash interrupted (the old checkpoint moved aside, the new one not yet in
+    place) and removes a leftover aside copy; then every rank may read `path`. Collective."""
+    old = _aside(path, "old")
+    if _rank() == 0:
+        if not path.exists() and old.exists():
+            os.replace(old, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Rank 0: move a complete checkpoint dir `tmp` to `path`. A directory cannot be renamed over a
+    non-empty one, so the old checkpoint goes aside first; `_recover` finishes a swap cut between the two
+    renames, so `path` (or its aside copy) always holds a whole checkpoint."""
+    old = _aside(path, "old")
+    _fsync_dir(tmp)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 extra: dict | None = None) -> None:
+    """Every rank writes its shards of the model and optimizer state; rank 0 writes `extra` (plain values:
+    tensors, numbers, strings, lists, dicts) and renames the directory into place. Collective. `path`
+    must be on a filesystem every rank sees."""
+    path = Path(path)
+    _recover(path)
+    tmp = _aside(path, "tmp")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier save killed half-way
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [])
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # ends once the metadata is written
+    if _rank() == 0:
+        with open(tmp / EXTRA_FILE, "wb") as f:
+            torch.save(extra or {}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _swap_in(tmp, path)
+    _barrier()
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a `save_sharded` checkpoint into `model` (and `optimizer`) in place, whatever the world size
+    that wrote it; returns its `extra`. Collective where a process group exists; also runs without one."""
+    path = Path(path)
+    _recover(path)
+    if not (path / ".metadata").is_file() or not (path / EXTRA_FILE).is_file():
+        raise UserError(f"resume: no sharded checkpoint at {path}")
+    # the current state dicts give the keys and, for DTensors, which shard this rank reads
+    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [])
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, [optimizer] if optimizer else [], model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
+    _barrier()  # no rank returns while another may still read a file a later save replaces
+    return extra
