@@ -2,10 +2,11 @@
 
 One 2-rank run (the `ranks` fixture; this file is also its worker script, `python test_fsdp.py DIR`)
 does every distributed phase and saves what it saw; the tests compare that with the same computation on
-an unsharded model in the test process. Each rank pays the torch + transformers import once (~10 s on
-a loaded 2-core box). Where torch cannot run FSDP2 on CPU (2.6: `cpu_unsupported_reason`), the FSDP
-phases are left out and their tests skip with that reason; the checkpoint phases still run on unsharded
-models, which `save_sharded` / `load_sharded` also serve (replicated ranks, DDP style).
+an unsharded model in the test process. Each rank pays the torch + transformers import once (~12 s of
+CPU; the run took 60 s of wall time on a 2-core box at load 7), so the tests that read it are `slow`.
+Where torch cannot run FSDP2 on CPU (2.6: `cpu_unsupported_reason`), the FSDP phases are left out and
+their tests skip with that reason; the checkpoint phases still run on unsharded models, which
+`save_sharded` / `load_sharded` also serve (replicated ranks, DDP style).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def _fsdp_phases(out_dir: Path, rank: int) -> dict:
     out["resharded_type"] = type(model.model.layers[0].self_attn.q_proj.weight).__name__
     out["generated"] = hf_generate(model, prompts(rank))  # the model's forward: FSDP's hooks gather
     out["root_after_forward"] = type(model.lm_head.weight).__name__  # resharded: safe to build the optimizer
+    out["bf16_tokens"], out["bf16_logits"] = _bf16_decode(rank)
     # forward + backward on this rank's half of the batch: FSDP averages the two halves' gradients
     opt = optimizer(model)
     loss, norm = loss_and_grads(model, batch().chunk(WORLD)[rank])
@@ -138,6 +140,14 @@ def _fsdp_phases(out_dir: Path, rank: int) -> dict:
     save_sharded(out_dir / "ckpt_fsdp", model, opt, extra={"update": 7, "world": WORLD})
     out["saved"] = full_state(model, opt)
     return out
+
+
+def _bf16_decode(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under a bf16 MixedPrecisionPolicy the gathered weights are bf16, so the lean decoder runs in bf16."""
+    model = shard_model(tiny_qwen2(seed=0), "bf16")
+    with full_weights(model):
+        assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+        return greedy(model, prompts(rank))
 
 
 def _replicated_phases(out_dir: Path) -> dict:
@@ -229,6 +239,7 @@ def test_shard_model_on_cpu_says_why_not():
 
 
 @needs_fsdp
+@pytest.mark.slow
 def test_full_weights_lean_decode_equals_one_process(ranks):
     model = tiny_qwen2(0)
     for rank, out in enumerate(ranks["ranks"]):
@@ -240,6 +251,22 @@ def test_full_weights_lean_decode_equals_one_process(ranks):
 
 
 @needs_fsdp
+@pytest.mark.slow
+def test_full_weights_bf16_policy_decodes_as_bf16_weights(ranks):
+    """FSDP casts each fp32 shard to bf16 before the all-gather: the same weights as rounding the full
+    model's parameters (buffers, such as RoPE's inv_freq, stay fp32 in both)."""
+    model = tiny_qwen2(0)
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    for rank, out in enumerate(ranks["ranks"]):
+        tokens, logits = greedy(model, prompts(rank))
+        assert logits.dtype == torch.bfloat16
+        assert torch.equal(out["bf16_tokens"], tokens)
+        assert torch.equal(out["bf16_logits"], logits)
+
+
+@needs_fsdp
+@pytest.mark.slow
 def test_generate_under_fsdp_hooks_equals_one_process(ranks):
     model = tiny_qwen2(0)
     for rank, out in enumerate(ranks["ranks"]):
@@ -247,6 +274,7 @@ def test_generate_under_fsdp_hooks_equals_one_process(ranks):
 
 
 @needs_fsdp
+@pytest.mark.slow
 def test_forward_backward_equals_one_process(ranks):
     """Half a batch per rank, gradients averaged by FSDP = the whole batch on one process (each half has
     the same token count, so the mean of the halves' token means is the batch's), within fp32 rounding."""
@@ -261,6 +289,7 @@ def test_forward_backward_equals_one_process(ranks):
 
 
 @needs_fsdp
+@pytest.mark.slow
 def test_resume_2_to_1_fsdp(ranks):
     model = tiny_qwen2(seed=1)
     opt = optimizer(model)
@@ -269,12 +298,14 @@ def test_resume_2_to_1_fsdp(ranks):
 
 
 @needs_fsdp
+@pytest.mark.slow
 def test_resume_1_to_2_fsdp(ranks):
     out = ranks["ranks"][0]
     assert out["loaded_extra"] == {"update": 3, "note": "one rank"}
     assert_same(out["loaded"], ranks["one_rank"])
 
 
+@pytest.mark.slow
 def test_resume_2_to_1_replicated(ranks):
     model = tiny_qwen2(seed=1)
     opt = optimizer(model)
@@ -282,6 +313,7 @@ def test_resume_2_to_1_replicated(ranks):
     assert_same(full_state(model, opt), ranks["ranks"][0]["plain_saved"])
 
 
+@pytest.mark.slow
 def test_resume_1_to_2_replicated(ranks):
     for out in ranks["ranks"]:
         assert out["plain_loaded_extra"] == {"update": 3, "note": "one rank"}
@@ -306,6 +338,14 @@ def test_save_replaces_atomically_and_recovers_a_cut_swap(tmp_path):
     assert path.is_dir() and not (tmp_path / ".ckpt.old").exists()
     with pytest.raises(UserError, match="no sharded checkpoint"):
         load_sharded(tmp_path / "missing", fresh, fresh_opt)
+
+
+def test_save_and_load_without_optimizer(tmp_path):
+    model = tiny_qwen2(0)
+    save_sharded(tmp_path / "ckpt", model)
+    fresh = tiny_qwen2(seed=1)
+    assert load_sharded(tmp_path / "ckpt", fresh) == {}
+    assert_same(fresh.state_dict(), model.state_dict())
 
 
 def test_full_weights_without_fsdp_is_a_no_op():
