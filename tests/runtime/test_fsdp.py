@@ -126,6 +126,9 @@ def _fsdp_phases(out_dir: Path, rank: int) -> dict:
     with full_weights(model):
         out["weight_type"] = type(model.model.layers[0].self_attn.q_proj.weight).__name__
         out["tokens"], out["logits"] = greedy(model, prompts(rank))
+        with torch.no_grad():
+            model(input_ids=prompts(rank))  # a forward inside the context: its post-forward hook reshards
+        out["after_inner_forward"] = type(model.model.layers[0].self_attn.q_proj.weight).__name__
     out["resharded_type"] = type(model.model.layers[0].self_attn.q_proj.weight).__name__
     out["generated"] = hf_generate(model, prompts(rank))  # the model's forward: FSDP's hooks gather
     out["root_after_forward"] = type(model.lm_head.weight).__name__  # resharded: safe to build the optimizer
@@ -243,8 +246,9 @@ def test_shard_model_on_cpu_says_why_not():
 def test_full_weights_lean_decode_equals_one_process(ranks):
     model = tiny_qwen2(0)
     for rank, out in enumerate(ranks["ranks"]):
-        assert (out["weight_type"], out["resharded_type"], out["root_after_forward"]) == (
-            "Parameter", "DTensor", "DTensor")
+        # gathered inside; sharded after it, after a forward inside it (so call none there), after a forward
+        assert (out["weight_type"], out["resharded_type"], out["after_inner_forward"],
+                out["root_after_forward"]) == ("Parameter", "DTensor", "DTensor", "DTensor")
         tokens, logits = greedy(model, prompts(rank))
         assert torch.equal(out["tokens"], tokens)
         assert torch.equal(out["logits"], logits)  # the same fp32 weights, the same ops: bit for bit

@@ -20,19 +20,21 @@
 
 Integration into the trainer (not done here; lm/ is edited elsewhere), recommended:
 1. setup: after building the policy and value models on the device, `shard_model(model, precision)` on
-   each trainable one before building its optimizer (the optimizer must see the DTensor parameters);
-   shard the frozen reference and reward models too (their forwards run the hooks). With a bf16
-   `MixedPrecisionPolicy` run `Precision("fp32")` (no autocast): FSDP casts the gathered weights itself.
+   each trainable one before building its optimizer (the optimizer must hold the DTensor shards); shard
+   the frozen reference and reward models too (their forwards run the hooks). With the bf16 policy use
+   `make_precision("fp32", device)` (no autocast): FSDP casts the gathered weights itself.
 2. rollout: `with torch.no_grad(), full_weights(policy): decoder = LlamaDecoder(policy); sample(...)`.
-   Build the decoder inside the context (it keeps references to the gathered tensors, which are freed
-   on exit) and do not call the model's own forward inside it (its post-forward hook reshards).
-3. update: unchanged; `clip_grad_norm_` works on the DTensor grads (the norm is over the whole model).
-   Divide the loss by the global token count (`core.accumulation`): FSDP averages gradients over ranks.
-4. checkpoint: `save_sharded(run_dir / "checkpoint", model, optimizer, extra)` on every rank, with the
-   update counter, config, RNG (rank 0's) and metrics state in `extra`; `load_sharded` on resume.
+   Build the decoder inside the context (it keeps references to the gathered tensors, freed on exit)
+   and call no forward of the model inside it: the post-forward hook reshards (tested).
+3. update: FSDP averages the ranks' gradients, so a rank's loss is world x (its token sum / the global
+   token count); the local token mean is right only when every rank holds as many tokens. The norm
+   `clip_grad_norm_` returns is the whole model's (a replicated DTensor; `.item()` works).
+4. checkpoint: `save_sharded(run_dir / "checkpoint", model, optimizer, extra)` on every rank, `extra`
+   holding the update counter, config and metrics state; `extra` is rank 0's, so per-rank state (RNG,
+   data cursor) goes in as a list from `dist.all_gather_object`. `load_sharded` on resume.
 FSDP2 on CPU (gloo) needs a torch whose `torch.cpu.Stream` has `record_event` (2.13 does, tested); torch 2.6
-does not (`cpu_unsupported_reason`): there FSDP2 is CUDA-only, while the checkpoints work for unsharded
-models on any number of ranks (tested on both).
+does not (`cpu_unsupported_reason`): there FSDP2 is CUDA-only (untested here), while the checkpoints
+work for unsharded models, 1 <-> 2 ranks (tested on both).
 """
 
 from __future__ import annotations
