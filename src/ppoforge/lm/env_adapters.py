@@ -98,9 +98,8 @@ class TextArenaEnvironment:
         text = self._messages()
         if not done:
             return EnvStep(text, info=dict(info or {}))
-        self.score()
-        return EnvStep(text or self.reason or "The game is over.", reward=self.final, done=True,
-                       info=dict(info or {}))
+        self.score()  # the game's reward is the episode's score (not also this step's: it would count twice)
+        return EnvStep(text or self.reason or "The game is over.", done=True, info=dict(info or {}))
 
     def score(self) -> float:
         """The game's reward for player 0 from `close()` (closed on the first call: at the end, or when

@@ -50,9 +50,6 @@ class GuessNumber:
             return EnvStep("Correct.", reward=1.0, done=True, info={"guess": guess})
         return EnvStep("Higher." if guess < self.secret else "Lower.", reward=0.0, info={"guess": guess})
 
-    def score(self) -> float:
-        return 1.0 if self.solved else 0.0
-
 
 BUILTINS = {"guess_number": GuessNumber}
 
