@@ -352,6 +352,14 @@ def test_save_and_load_without_optimizer(tmp_path):
     assert_same(fresh.state_dict(), model.state_dict())
 
 
+def test_another_models_checkpoint_is_one_line(tmp_path):
+    model = tiny_qwen2(0)
+    save_sharded(tmp_path / "ckpt", model)
+    wider = type(model)(type(model.config)(**{**model.config.to_dict(), "hidden_size": 48}))
+    with pytest.raises(UserError, match=r"does not fit this model \(ValueError: Size mismatch"):
+        load_sharded(tmp_path / "ckpt", wider)
+
+
 def test_full_weights_without_fsdp_is_a_no_op():
     model = tiny_qwen2(0)
     weight = model.model.layers[0].mlp.up_proj.weight

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -141,6 +143,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group dcp warns on every call that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized, assuming")
+        yield
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -191,7 +202,8 @@ def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         tmp.mkdir(parents=True)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [])
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # ends once the metadata is written
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # ends once the metadata is written
     if _rank() == 0:
         with open(tmp / EXTRA_FILE, "wb") as f:
             torch.save(extra or {}, f)
@@ -211,7 +223,13 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     # the current state dicts give the keys and, for DTensors, which shard this rank reads
     model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [])
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path)
+    except CheckpointException as e:  # a BaseException, raised on every rank: another model's checkpoint
+        error = next(iter(e.failures.values()))[0]
+        raise UserError(f"resume: {path} does not fit this model ({type(error).__name__}: {str(error)[:160]}); "
+                        "allowed: a checkpoint of the same model and optimizer") from None
     set_state_dict(model, [optimizer] if optimizer else [], model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
