@@ -52,6 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ppoforge.errors import UserError
@@ -99,7 +100,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh=None) -> nn.Module:
+def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh: DeviceMesh | None = None
+                ) -> nn.Module:
     """fully_shard each decoder layer, then the root; returns `model`, now an FSDPModule, in place.
 
     Needs an initialized process group. `mesh` defaults to one dimension over every rank on the device
@@ -108,7 +110,6 @@ def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh=
     if device.type == "cpu" and (reason := cpu_unsupported_reason()):
         raise UserError(f"fsdp: {reason}; allowed: a CUDA device, or a newer torch on CPU")
     if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mp_policy(mp)
     for layer in decoder_layers(model):
