@@ -151,9 +151,9 @@ def _play(lm, envs, rows, budgets, n_new=5, seed=0, end_check="warn"):
                             pad_id=tokenizer.pad_token_id)
     uniforms = torch.rand(budgets.max_turns * n_new, len(rows), generator=torch.Generator().manual_seed(seed))
     renderer = ChatRenderer(tokenizer, end_check)
-    with torch.inference_mode():
-        out = run_episodes(LlamaDecoder(model), renderer, envs, rows, list(range(len(rows))), params, budgets,
-                           uniforms, 64, "cpu")
+    out = run_episodes(LlamaDecoder(model), renderer, envs, rows, list(range(len(rows))), params, budgets,
+                       uniforms, 64, "cpu")
+    assert torch.is_inference(out[2].logp)  # decoding records no autograd graph
     return (*out, renderer)
 
 

@@ -101,6 +101,7 @@ class _Row:
         self.env_count += len(ids)
 
 
+@torch.inference_mode()
 def run_episodes(decoder: Decoder, renderer, envs: list, rows: list[dict], seeds: list[int],
                  params: SamplingParams, budgets: Budgets, uniforms: torch.Tensor, max_prompt_tokens: int,
                  device) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
