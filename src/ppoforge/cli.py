@@ -4,6 +4,7 @@
   ppoforge train control --resume runs/CartPole-v1-s3-20261129-201500
   ppoforge eval RUN_DIR --episodes 20
   ppoforge demo
+  ppoforge demo --task arithmetic           # GRPO on one-digit sums, held-out accuracy before -> after
   ppoforge train rlhf --preset demo --total-updates 40
   ppoforge train rlhf --resume runs/rlhf-lora-s1-20261129-201500
   ppoforge train sft --preset tiny --model PATH --data chats.jsonl
@@ -175,9 +176,10 @@ def _cmd_demo(args) -> int:
     from ppoforge.lm.demo import run_demo
     from ppoforge.runtime.rundir import prepare_new_run_dir
 
-    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, "demo")
+    name = "demo" if args.task == "sentiment" else f"demo-{args.task}"
+    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, name)
     prepare_new_run_dir(run_dir, args.overwrite)
-    run_demo(run_dir, overrides_from_args(args))
+    run_demo(run_dir, overrides_from_args(args), args.task)
     return 0
 
 
@@ -242,8 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(train_sub, "reward", RewardConfig, "a reward model from preference pairs (Bradley-Terry)",
                       "reward-<layout>-s<seed>-<time>", _cmd_train_reward)
 
-    demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline")
-    demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo-<time>)")
+    demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline "
+                          "(--task arithmetic: GRPO teaches it one-digit sums)")
+    demo.add_argument("--task", choices=("sentiment", "arithmetic"), default="sentiment",
+                      help="sentiment (default): PPO + VADER, preset demo; arithmetic: GRPO on reasoning-gym "
+                      "chain_sum, held-out accuracy before -> after, preset arithmetic_demo (needs ppoforge[tasks])")
+    demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo[-TASK]-<time>)")
     demo.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
     demo.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
     add_config_arguments(demo, RLHFConfig)

@@ -34,6 +34,20 @@ def test_task_rows_are_seeded_problems_with_their_answers():
 
 
 @needs_reasoning_gym
+def test_instruction_is_a_named_system_prompt_or_the_text_as_written():
+    import reasoning_gym.utils
+
+    named = load_prompts("task:chain_sum?size=2&instruction=direct")
+    text = load_prompts("task:chain_sum?size=2&instruction=Example: 2 %2B 3 = <answer>5</answer>%0ANow you.")
+    default = load_prompts("task:chain_sum?size=2")
+    assert [r["prompt"] for r in named] == [f"{reasoning_gym.utils.SYSTEM_PROMPTS['direct']}\n{r['question']}"
+                                            for r in default]
+    assert [r["prompt"] for r in text] == [f"Example: 2 + 3 = <answer>5</answer>\nNow you.\n{r['question']}"
+                                           for r in default]  # not YAML: "Example: ..." stays text
+    assert [r["answer"] for r in named] == [r["answer"] for r in text] == [r["answer"] for r in default]
+
+
+@needs_reasoning_gym
 def test_task_reward_is_the_datasets_checker_on_the_answer_tags():
     rows = load_prompts("task:basic_arithmetic?size=4&seed=1")
     right = [f"let me think. <answer>{r['answer']}</answer>" for r in rows]

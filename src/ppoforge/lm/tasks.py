@@ -7,7 +7,10 @@ sets and a reward, for GRPO-style training against answers that can be checked.
 as YAML (`3` an int, `0.5` a float, `true` a bool, else a string), so every dataset's own config keys
 work as they are. Each row's prompt is reasoning-gym's default instruction (think, then the answer in
 `<answer>...</answer>`) followed by the question; the row keeps the bare `question`, the dataset's
-`answer` and its `metadata`, which the trainer hands to reward functions as columns. `task` scores a
+`answer` and its `metadata`, which the trainer hands to reward functions as columns. One key is ours, not
+the dataset's: `instruction=` replaces that instruction with one of reasoning-gym's `SYSTEM_PROMPTS` by name
+(`direct`, `simple`, ...) or with the value itself as text (taken as written, not YAML; URL-decoded, so
+write `+` as `%2B`): a small model may need a terser instruction to answer in the tags at all. `task` scores a
 completion with the dataset's own `score_answer` on what `reasoning_gym.utils.extract_answer` finds in
 its last answer tags (no tags: score 0), a number in [0, 1]. Nothing here re-implements a generator or
 a checker.
@@ -19,7 +22,7 @@ one-line error.
 from __future__ import annotations
 
 import functools
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote_plus
 
 import yaml
 
@@ -52,9 +55,15 @@ def parse_query(spec: str, body: str, where: str) -> tuple[str, dict]:
 
 def parse_task(spec: str) -> tuple[str, dict]:
     """'task:NAME?k=v&...' -> (NAME, {k: YAML value}), size and seed defaulted."""
-    name, kwargs = parse_query(spec, spec.removeprefix(PREFIX), "prompts")
+    head, _, query = spec.removeprefix(PREFIX).partition("?")
+    # `instruction` is text, taken as written (YAML would read "Example: 2 + 3" as a mapping)
+    own = [item for item in query.split("&") if item.startswith("instruction=")]
+    rest = "&".join(item for item in query.split("&") if item and item not in own)
+    name, kwargs = parse_query(spec, f"{head}?{rest}", "prompts")
     if not name:
         raise UserError(f"prompts: {spec!r} names no task; allowed: task:NAME?size=N&seed=S&KEY=VALUE")
+    if own:
+        kwargs["instruction"] = unquote_plus(own[-1].removeprefix("instruction="))
     return name, {**DEFAULTS, **kwargs}
 
 
@@ -62,6 +71,7 @@ def task_rows(spec: str, field: str = "prompt") -> list[dict]:
     """The prompt rows of a `task:` spec: {field: instruction + question, question, answer, metadata}."""
     rg = _reasoning_gym()
     name, kwargs = parse_task(spec)
+    instruction = kwargs.pop("instruction", "default")
     if name not in rg.factory.DATASETS:
         raise UserError(f"prompts: no reasoning-gym task {name!r}; allowed: one of its {len(rg.factory.DATASETS)} "
                         f"datasets, e.g. {', '.join(sorted(rg.factory.DATASETS)[:6])}")
@@ -71,7 +81,7 @@ def task_rows(spec: str, field: str = "prompt") -> list[dict]:
     except Exception as e:  # noqa: BLE001 - the dataset's own config checks: a bad key or value
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"prompts: task {name} refused {kwargs}: {type(e).__name__}: {text}") from None
-    instruction = rg.utils.SYSTEM_PROMPTS["default"]
+    instruction = rg.utils.SYSTEM_PROMPTS.get(instruction, instruction)
     return [{field: f"{instruction}\n{e['question']}", "question": e["question"], "answer": e["answer"],
              "metadata": e["metadata"]} for e in entries]
 
