@@ -260,3 +260,17 @@ def test_trainer_plays_episodes_and_logs_their_ends(tiny_lm_dir, tmp_path, advan
     assert len([r for r in rows if "eval/scores" in r]) == 2
     table = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert any("I am thinking of a whole number" in r["prompt"] for r in table)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (dict(env="guess_number"), "reward: 'vader' with env 'guess_number', which scores its own episodes; allowed: env"),
+    (dict(reward="env"), "reward: applies to multi-turn episodes"),
+    (dict(max_turns=3), "max_turns: applies to multi-turn episodes"),
+])
+def test_env_settings_without_their_partner_are_one_line_errors(values, message):
+    from ppoforge.config import build_config
+    from ppoforge.errors import UserError
+    from ppoforge.lm.config import RLHFConfig
+
+    with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        build_config(RLHFConfig, values)
