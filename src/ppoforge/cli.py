@@ -323,8 +323,25 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         code, line = classify(e)
-        print(f"ppoforge: error: {line}", file=sys.stderr)
+        line = _rank_line(e, line)
+        if line:
+            print(f"ppoforge: error: {line}", file=sys.stderr)
         return code
+    finally:
+        if "ppoforge.runtime.distributed" in sys.modules:
+            sys.modules["ppoforge.runtime.distributed"].close()
+
+
+def _rank_line(e: Exception, line: str) -> str | None:
+    """Under torchrun: the rank in front of the line, and a failure every rank knows (`checked`) printed
+    by rank 0 alone; None for a line this rank leaves to rank 0."""
+    dist = sys.modules.get("ppoforge.runtime.distributed")
+    if dist is None or dist.world().size == 1:
+        return line
+    world = dist.world()
+    if getattr(e, "ppoforge_shared", False) and not world.is_main:
+        return None
+    return line if line.startswith("rank ") else f"rank {world.rank}: {line}"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ sequence tensors are batch-major (B, ...); GAE runs time-major, so `advantages` 
 (B, T), returns or None): GAE with the critic's values, or a critic-free estimator of
 `core/critic_free.py` over the whole rollout, whose groups are contiguous rows (G completions of a
 prompt in a row). The trainer calls it before PPO shuffles the rollout into mini-batches, so a group's
-statistics always see all of its completions.
+statistics always see all of its completions. Under torchrun each rank holds whole groups; the
+statistics over the batch (whitening, `scale: batch`) are all ranks' (`reducer()`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ppoforge.core.critic_free import (
     rloo_advantages,
 )
 from ppoforge.core.stats import whiten
+from ppoforge.runtime.distributed import reducer
 
 if TYPE_CHECKING:
     from ppoforge.lm.config import RLHFConfig
@@ -122,7 +124,7 @@ def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Ten
     Returns (whitened advantages, returns), (B, T), 0 on padding.
     """
     if whiten_rewards:
-        rewards = whiten(rewards, resp_mask, shift_mean=False)
+        rewards = whiten(rewards, resp_mask, shift_mean=False, all_sum=reducer())
     values = values * resp_mask
     next_mask = torch.cat([resp_mask[:, 1:], torch.zeros_like(resp_mask[:, :1])], 1)
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
@@ -130,7 +132,7 @@ def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Ten
     adv, ret = gae(rewards.T.contiguous(), values.T.contiguous(), next_values.T.contiguous(),
                    done.T.contiguous(), done.T.contiguous(), gamma, lam)
     adv, ret = adv.T * resp_mask, ret.T * resp_mask
-    return whiten(adv, resp_mask), ret
+    return whiten(adv, resp_mask, all_sum=reducer()), ret
 
 
 # ---- the estimators: (rollout, per-token KL rewards (B, T), config) -> (advantages (B, T), returns | None)
@@ -148,25 +150,27 @@ def _sequence_rewards(b: Rollout, non_score: torch.Tensor) -> torch.Tensor:
 
 def grpo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """GRPO: each response's group-normalized reward on every one of its tokens."""
-    adv = grpo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale)
+    adv = grpo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale, all_sum=reducer())
     return adv[:, None] * b.resp_mask, None
 
 
 def rloo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """RLOO: each response's reward minus the mean of its group's others, on every one of its tokens."""
-    adv = rloo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale)
+    adv = rloo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale, all_sum=reducer())
     return adv[:, None] * b.resp_mask, None
 
 
 def reinforce_pp_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """REINFORCE++: the per-token rewards' reward-to-go, whitened over the rollout's tokens."""
-    return reinforce_pp_advantages(with_scores(non_score, b.scores, b.resp_mask), b.resp_mask, cfg.gamma), None
+    return reinforce_pp_advantages(with_scores(non_score, b.scores, b.resp_mask), b.resp_mask, cfg.gamma,
+                                   reducer()), None
 
 
 def reinforce_pp_baseline_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """REINFORCE++-baseline: REINFORCE++ with each score minus its group's mean score."""
     centered = b.scores - group_mean(b.scores, cfg.num_generations)
-    return reinforce_pp_advantages(with_scores(non_score, centered, b.resp_mask), b.resp_mask, cfg.gamma), None
+    return reinforce_pp_advantages(with_scores(non_score, centered, b.resp_mask), b.resp_mask, cfg.gamma,
+                                   reducer()), None
 
 
 ESTIMATORS = {"gae": gae_estimate, "grpo": grpo_estimate, "rloo": rloo_estimate,
