@@ -100,11 +100,12 @@ def test_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path):
     """Checkpoints written by 2 ranks continue on 1 and the other way round, and both equal a run that
     never stopped: the shared generator and the global data cursor are in rank 0's checkpoint."""
     straight = tmp_path / "straight"
-    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3)) == 0
+    common = dict(anneal_lr="false", ppo_epochs=1)  # annealing follows total_updates, which the resumes raise
+    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **common)) == 0
     a, b = tmp_path / "a", tmp_path / "b"
-    assert launch(_args(tiny_lm_dir, prompts_file, a, total_updates=2)).returncode == 0
+    assert launch(_args(tiny_lm_dir, prompts_file, a, total_updates=2, **common)).returncode == 0
     assert main(["train", "rlhf", "--resume", str(a), "--total-updates", "3"]) == 0
-    assert main(_args(tiny_lm_dir, prompts_file, b, total_updates=2)) == 0
+    assert main(_args(tiny_lm_dir, prompts_file, b, total_updates=2, **common)) == 0
     run = launch(["train", "rlhf", "--resume", str(b), "--total-updates", "3"])
     assert run.returncode == 0, run.stderr[-3000:]
     for resumed in (a, b):
@@ -140,8 +141,9 @@ def test_one_rank_failing_stops_all_with_one_line(tiny_lm_dir, prompts_file, tmp
     lines = [line for line in run.stderr.splitlines() if line.startswith("ppoforge: error:")]
     assert run.returncode != 0
     if how == "raises":
-        assert lines == ["ppoforge: error: rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError: boom "
-                         "on purpose; no checkpoint was written yet"], run.stderr[-3000:]
+        assert len(lines) == 1, run.stderr[-3000:]  # rank 0's; rank 1 leaves the line to it
+        assert lines[0].startswith("ppoforge: error: rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError: "
+                                   "boom on purpose; checkpoint at update 0: continue with "), lines
     else:
         assert lines and lines[0].startswith("ppoforge: error: rank 0: a collective did not complete within 8 s "
                                              "(dist_timeout)"), run.stderr[-3000:]
