@@ -180,6 +180,31 @@ def gather_rows(rows: list) -> list:
     return [r for part in out for r in part]
 
 
+class SlicedRng:
+    """A numpy Generator whose draws are the global batch's, sliced to this rank's `rows`: every rank
+    draws for all `n_global` rows (environments) and keeps its own, so the world size changes no draw.
+    The first dimension of each draw is the batch; `bit_generator` is the wrapped one's (checkpoints)."""
+
+    def __init__(self, rng, rows: slice, n_global: int):
+        self.rng, self.rows, self.n_global = rng, rows, n_global
+        self.bit_generator = rng.bit_generator
+
+    def _size(self, size) -> tuple[int, ...]:
+        size = (size,) if isinstance(size, int) else tuple(size)
+        return (self.n_global, *size[1:])
+
+    def random(self, size, dtype=None):
+        return self.rng.random(self._size(size), dtype=dtype)[self.rows]
+
+    def standard_normal(self, size, dtype=None):
+        return self.rng.standard_normal(self._size(size), dtype=dtype)[self.rows]
+
+
+def sliced_rng(rng, rows: slice, n_global: int):
+    """`rng` itself at world 1, else a SlicedRng over it."""
+    return rng if _world.size == 1 else SlicedRng(rng, rows, n_global)
+
+
 def rank0_value(value):
     """Rank 0's `value` on every rank (a run dir each rank named from its own clock)."""
     if _world.size == 1:
