@@ -56,11 +56,11 @@ def _trainable(run_dir):
     return torch.load(Path(run_dir) / "checkpoint.pt", weights_only=True)["trainable"]
 
 
-def _assert_same_params(a, b):
+def _assert_same_params(a, b, atol=ATOL):
     assert a.keys() == b.keys() and len(a) > 0
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"max |2 ranks - 1 rank| = {worst:.3g}")  # seen: see docs/distributed.md
-    assert worst <= ATOL, f"max |2 ranks - 1 rank| = {worst:.3g}"
+    print(f"max |2 ranks - 1 rank| = {worst:.3g}")  # the values seen: docs/distributed.md
+    assert worst <= atol, f"max |2 ranks - 1 rank| = {worst:.3g}"
 
 
 def _strip(rows):
@@ -169,3 +169,43 @@ def test_world_one_writes_no_torchrun_note(tiny_lm_dir, prompts_file, tmp_path):
     assert main(_args(tiny_lm_dir, prompts_file, tmp_path / "r", total_updates=1, ppo_epochs=1)) == 0
     assert (tmp_path / "r" / "config.yaml").read_text().startswith("# world_size: 1")
     assert sys.modules["ppoforge.runtime.distributed"].world().size == 1
+
+
+TOPICS = ["the movie", "the coffee", "the weather", "the city", "my morning", "the book"]
+GOOD, BAD = ["great", "wonderful", "happy", "love"], ["terrible", "awful", "sad", "hate"]
+
+
+def _supervised_args(kind, model, tmp_path, run_dir):
+    data = tmp_path / f"{kind}.jsonl"
+    if kind == "sft":
+        rows = [{"prompt": f"tell me about {t}", "completion": f"{t} is {w} and {t} is {w}"}
+                for t in TOPICS for w in GOOD[:2]]
+    else:
+        rows = [{"prompt": f"tell me about {t}", "chosen": f"it is {g}", "rejected": f"it is {b}"}
+                for t in TOPICS for g, b in zip(GOOD[:2], BAD[:2], strict=True)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["train", kind, "--run-dir", str(run_dir), "--model", str(model), "--data", str(data), "--lora-r", "4",
+            "--max-length", "64", "--batch-size", "4", "--micro-batch-size", "1", "--epochs", "1",
+            "--eval-fraction", "0.25", "--eval-every", "100", "--learning-rate", "1e-2", "--device", "cpu",
+            "--torch-threads", "1", "--progress", "false", "--tensorboard", "false", "--dist-timeout", "60",
+            *(["--sample-prompts", "0"] if kind == "sft" else [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sft", "reward"])
+def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path):
+    """12 rows: 9 train (batches of 4, 4, 1: the last leaves rank 1 nothing), 3 held out."""
+    model = tiny_lm_dir if kind == "sft" else tiny_reward_model_dir
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_supervised_args(kind, model, tmp_path, one)) == 0
+    run = launch(_supervised_args(kind, model, tmp_path, two))
+    assert run.returncode == 0, run.stderr[-3000:]
+    # 3 AdamW steps at lr 1e-2: Adam's first steps are ~lr * sign(g), so a float-order difference in a
+    # near-zero gradient component moves its weight by up to ~1e-6 a step (seen: 1.7e-6 for reward)
+    _assert_same_params(_trainable(one), _trainable(two), atol=1e-5)
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1, 2, 3]
+    for a, b in zip(m1, m2, strict=True):
+        for key, value in _strip([a])[0].items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert (two / "model" / "config.json").is_file()
