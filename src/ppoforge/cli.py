@@ -185,7 +185,8 @@ def _cmd_doctor(args) -> int:
     from ppoforge.doctor.runner import Options, main, parse_require
 
     opts = Options(device=args.device, precision=args.precision, quick=args.quick,
-                   require=parse_require(args.require), runs_root=args.runs_root)
+                   require=parse_require(args.require), runs_root=args.runs_root, rdzv_endpoint=args.rdzv_endpoint,
+                   nnodes=args.nnodes, node_rank=args.node_rank)
     return main(opts, as_json=args.json)
 
 
@@ -278,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="capabilities that decide the exit code, comma-separated: "
                      f"{', '.join(CAPABILITY_KEYS)}, all or none (default: {','.join(DEFAULT_REQUIRE)})")
     doc.add_argument("--runs-root", default="runs", help="the runs/checkpoint dir to check (default: runs)")
+    doc.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="multi-node: meet the other nodes' doctors "
+                     "there (default: MASTER_ADDR:MASTER_PORT when set); run it on every node at once")
+    doc.add_argument("--nnodes", type=_positive_int, help="multi-node: how many nodes (default: NNODES, "
+                     "SLURM_NNODES, else 1)")
+    doc.add_argument("--node-rank", type=int, help="multi-node: this node's rank, 0 hosts the rendezvous "
+                     "(default: NODE_RANK, SLURM_NODEID, else 0)")
     doc.set_defaults(func=_cmd_doctor)
 
     nb = sub.add_parser("notebook", help="JupyterLab with authentication always on, on 127.0.0.1 by default")
