@@ -74,6 +74,12 @@ def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]
     return cfg, run_dir
 
 
+def _report(line: str) -> None:
+    """A run's closing line, printed once: under torchrun by rank 0 (the one whose metrics are global)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line)
+
+
 def _status(stopped_by: str | None) -> str:
     return f"stopped by {stopped_by}, checkpoint saved" if stopped_by else "done"
 
@@ -91,7 +97,7 @@ def _cmd_train_control(args) -> int:
     result = train(cfg, run_dir, resume=bool(args.resume))
     recent = result.recent_returns[-20:]
     mean = sum(recent) / len(recent) if recent else float("nan")
-    print(f"{_status(result.stopped_by)}: {result.global_step:,} steps, mean return of last {len(recent)} "
+    _report(f"{_status(result.stopped_by)}: {result.global_step:,} steps, mean return of last {len(recent)} "
           f"episodes {mean:.1f}; run dir {result.run_dir}")
     return 0
 
@@ -103,7 +109,7 @@ def _cmd_train_rlhf(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     score = result.last_metrics.get("objective/scores", float("nan"))
-    print(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
+    _report(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
           f"last mean score {score:.3f}; run dir {result.run_dir}")
     return 0
 
@@ -115,7 +121,8 @@ def _cmd_train_sft(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     loss = result.get("eval/loss", result.get("train/loss", float("nan")))
-    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; {_export(result, run_dir)}")
+    _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; "
+            f"{_export(result, run_dir)}")
     return 0
 
 
@@ -126,7 +133,7 @@ def _cmd_train_reward(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     accuracy = result.get("eval/accuracy", float("nan"))
-    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
+    _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
           f"{_export(result, run_dir)}")
     return 0
 

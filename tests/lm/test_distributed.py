@@ -209,3 +209,27 @@ def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_
         for key, value in _strip([a])[0].items():
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     assert (two / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree to stop after the update under way, rank 0
+    writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = subprocess.Popen(torchrun(_args(tiny_lm_dir, prompts_file, run_dir, total_updates=500,
+                                               ppo_epochs=1, checkpoint_every=1000), 2, free_port()),
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.5)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+    assert out.count("stopped by SIGTERM, checkpoint saved") == 1, out + err[-3000:]
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert saved["update"] == read_metrics(metrics)[-1]["step"] >= 2
+    assert not list(run_dir.glob(".checkpoint.pt.*.tmp"))  # no write left half done
