@@ -39,3 +39,17 @@ def test_two_ranks_equal_one_rank(tmp_path):
     for key in ("losses/policy_loss", "losses/value_loss", "losses/approx_kl"):
         assert m2[-1][key] == pytest.approx(m1[-1][key], rel=1e-4, abs=1e-6), key
     assert (two / "config.yaml").read_text().startswith("# world_size: 2, per-rank batch: 2 envs")
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
+    """Agent, optimizer, normalizers, policy RNG (shared by the ranks) and counters resume; rank 0's
+    environments are not the others', so every rank restarts its episodes (docs/distributed.md)."""
+    run = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run(torchrun(["train", "control", "--run-dir", str(run), *ARGS, "--total-steps", "64"], 2,
+                                  free_port()), capture_output=True, text=True, timeout=240, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert main(["train", "control", "--resume", str(run), "--total-steps", "128"]) == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [64, 128]
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 2

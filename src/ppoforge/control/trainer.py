@@ -113,7 +113,7 @@ class ControlTrainer:
                 "precision": self.precision.state_dict(), "runner": self.runner.state_dict(),
                 "policy_rng": self.policy_rng.bit_generator.state, "rng": rng_state(),
                 "update": self.update, "config": config_to_dict(self.cfg), "guard": self.guard.state_dict(),
-                "lr_scale": self.lr_scale}
+                "lr_scale": self.lr_scale, "world_size": self.world.size}
 
     def light_state(self) -> dict:
         """Unused: the whole state is small enough to copy at every update (see RunGuard)."""
@@ -123,7 +123,10 @@ class ControlTrainer:
         self.agent.load_state_dict(state["agent"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
-        self.runner.load_state_dict(state["runner"])
+        # under torchrun rank 0's environments are not the others': every rank restarts its episodes
+        distributed_run = self.world.size > 1 or state.get("world_size", 1) > 1
+        self.runner.load_state_dict(state["runner"], restore_envs=not distributed_run,
+                                    seed_offset=self.envs_shard.start)
         self.policy_rng.bit_generator.state = state["policy_rng"]
         set_rng_state(state["rng"])
         self.update = state["update"]
