@@ -166,9 +166,10 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     """The ranks' equal-shaped tensors concatenated along dim 0, in rank order."""
     if _world.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_world.size)]
-    _collective(dist.all_gather, parts, x.contiguous())
-    return torch.cat(parts)
+    y = x.to(_device()).contiguous()  # NCCL gathers on this rank's GPU; gloo on the CPU
+    parts = [torch.empty_like(y) for _ in range(_world.size)]
+    _collective(dist.all_gather, parts, y)
+    return torch.cat(parts).to(x.device)
 
 
 def gather_rows(rows: list) -> list:
