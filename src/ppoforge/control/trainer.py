@@ -196,6 +196,7 @@ class ControlTrainer:
             metrics["charts/episodic_return"] = float(np.mean([r for r, _ in episodes]))
             metrics["charts/episodic_length"] = float(np.mean([n for _, n in episodes]))
         metrics["charts/SPS"] = cfg.batch_size / (time.perf_counter() - start)
+        metrics["perf/world_size"] = self.world.size  # envs per rank: num_envs / this
         return metrics
 
 

@@ -190,7 +190,7 @@ class SupervisedTrainer:
         units = float(self.task.units(items))
         metrics.update({"lr": lr, "epoch": self.cursor / len(self.task.train_items), **self.guard.counts,
                         "guard/micro_batch_size": self.micro_batch, "perf/units_per_s": units / elapsed,
-                        "perf/step_s": elapsed})
+                        "perf/step_s": elapsed, "perf/world_size": self.world.size})
         return metrics
 
     # ---- the run -----------------------------------------------------------------------------------
