@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ppoforge.lm.tiny import save_tiny_lm
-from ppoforge.runtime.launch import free_port, torchrun
+from ppoforge.runtime.launch import torchrun
 from ppoforge.runtime.metrics import read_metrics
 
 PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "describe the city at night",
@@ -59,7 +59,7 @@ def main() -> None:
         prompts = tmp / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
         one = [sys.executable, "-m", "ppoforge", *_args(model, prompts, tmp / "one", args.batch, args.updates)]
-        two = torchrun(_args(model, prompts, tmp / "two", 2 * args.batch, args.updates), 2, free_port())
+        two = torchrun(_args(model, prompts, tmp / "two", 2 * args.batch, args.updates), 2)
         for cmd in (one, two):
             subprocess.run(cmd, check=True, env=env, capture_output=True)
         t1, t2 = _update_s(tmp / "one"), _update_s(tmp / "two")

@@ -319,6 +319,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    dist = sys.modules.get("ppoforge.runtime.distributed")
+    if dist is not None:
+        dist.finish(code)  # under torchrun: leaves the process group and exits here
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("PPOFORGE_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
@@ -341,9 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             print(f"ppoforge: error: {line}", file=sys.stderr)
         return code
-    finally:
-        if "ppoforge.runtime.distributed" in sys.modules:
-            sys.modules["ppoforge.runtime.distributed"].close()
 
 
 def _rank_line(e: Exception, line: str) -> str | None:

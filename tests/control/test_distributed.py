@@ -12,7 +12,7 @@ import torch
 
 import ppoforge
 from ppoforge.cli import main
-from ppoforge.runtime.launch import free_port, torchrun
+from ppoforge.runtime.launch import torchrun
 from ppoforge.runtime.metrics import read_metrics
 
 SRC = str(Path(ppoforge.__file__).parents[1])
@@ -26,7 +26,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", "control", "--run-dir", str(one), *ARGS]) == 0
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(torchrun(["train", "control", "--run-dir", str(two), *ARGS], 2, free_port()),
+    run = subprocess.run(torchrun(["train", "control", "--run-dir", str(two), *ARGS], 2),
                          capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     a = torch.load(one / "checkpoint.pt", weights_only=True)["agent"]
@@ -47,8 +47,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
     environments are not the others', so every rank restarts its episodes (docs/distributed.md)."""
     run = tmp_path / "r"
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run(torchrun(["train", "control", "--run-dir", str(run), *ARGS, "--total-steps", "64"], 2,
-                                  free_port()), capture_output=True, text=True, timeout=240, env=env)
+    two = subprocess.run(torchrun(["train", "control", "--run-dir", str(run), *ARGS, "--total-steps", "64"], 2),
+                         capture_output=True, text=True, timeout=240, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     assert main(["train", "control", "--resume", str(run), "--total-steps", "128"]) == 0
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [64, 128]

@@ -5,6 +5,7 @@ rank's forward runs half the rows, and the gradients are summed over ranks)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -46,10 +47,19 @@ def _args(model, prompts, run_dir, **overrides):
 
 
 def launch(args, nproc=2, timeout=240, extra_path=(), **kwargs):
+    """torchrun --standalone in its own session: on a timeout the launcher and its workers are killed
+    together (no orphaned rank keeps loading the machine) and the test fails with their output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, *map(str, extra_path)]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run(torchrun(args, nproc, free_port(), **kwargs), capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.Popen(torchrun(args, nproc, **kwargs), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun still running after {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _trainable(run_dir):
@@ -215,13 +225,12 @@ def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_
 def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop after the update under way, rank 0
     writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it."""
-    import signal
     import time
 
     run_dir = tmp_path / "r"
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     launcher = subprocess.Popen(torchrun(_args(tiny_lm_dir, prompts_file, run_dir, total_updates=500,
-                                               ppo_epochs=1, checkpoint_every=1000), 2, free_port()),
+                                               ppo_epochs=1, checkpoint_every=1000), 2),
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180

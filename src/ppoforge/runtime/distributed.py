@@ -313,15 +313,21 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def close() -> None:
-    """Leave the process group (the end of a run; torchrun's next restart joins a fresh one)."""
-    global _world
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    _world = World()
+def finish(code: int) -> None:
+    """The end of a torchrun worker (cli.main): after a run that succeeded, wait for the other ranks
+    (none leaves while another is still in a collective), then exit with `code` without running the
+    process group's destructor — torch 2.6's gloo one can deadlock joining its threads once a peer has
+    left (seen here: rank 1 stuck in ~ProcessGroupGloo after rank 0 exited); the group dies with the
+    process. Every file a trainer writes is closed (and fsynced) by then. Nothing at world 1."""
+    if _world.size == 1 or not dist.is_initialized():
+        return
+    if code == 0:
+        try:
+            barrier()
+        except DistTimeout:
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-def say(line: str) -> None:
-    """Print on rank 0 only (progress notes that every rank would repeat)."""
-    if _world.is_main:
-        print(line, file=sys.stderr)

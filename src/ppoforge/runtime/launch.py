@@ -15,12 +15,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args: list[str], nproc: int, port: int, nnodes: int = 1, node_rank: int = 0,
+def torchrun(args: list[str], nproc: int, port: int = 0, nnodes: int = 1, node_rank: int = 0,
              rdzv_endpoint: str | None = None, module: str = "ppoforge") -> list[str]:
-    """`python -m torch.distributed.run ... -m <module> args`: one node on 127.0.0.1:port, or with
-    `rdzv_endpoint` a c10d rendezvous that `nnodes` such launches join (node_rank: this one's)."""
+    """`python -m torch.distributed.run ... -m <module> args`: one node (`--standalone`, or on
+    127.0.0.1:port), or with `rdzv_endpoint` a c10d rendezvous that `nnodes` such launches join."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    if rdzv_endpoint is None:
+    if rdzv_endpoint is None and not port:
+        cmd += ["--standalone"]  # torchrun binds a free port itself: no race with other jobs for it
+    elif rdzv_endpoint is None:
         cmd += ["--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
     else:
         cmd += ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
