@@ -75,6 +75,12 @@ def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]
     return cfg, run_dir
 
 
+def _report(line: str) -> None:
+    """A run's closing line, printed once: under torchrun by rank 0 (the one whose metrics are global)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line)
+
+
 def _status(stopped_by: str | None) -> str:
     return f"stopped by {stopped_by}, checkpoint saved" if stopped_by else "done"
 
@@ -92,7 +98,7 @@ def _cmd_train_control(args) -> int:
     result = train(cfg, run_dir, resume=bool(args.resume))
     recent = result.recent_returns[-20:]
     mean = sum(recent) / len(recent) if recent else float("nan")
-    print(f"{_status(result.stopped_by)}: {result.global_step:,} steps, mean return of last {len(recent)} "
+    _report(f"{_status(result.stopped_by)}: {result.global_step:,} steps, mean return of last {len(recent)} "
           f"episodes {mean:.1f}; run dir {result.run_dir}")
     return 0
 
@@ -104,7 +110,7 @@ def _cmd_train_rlhf(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     score = result.last_metrics.get("objective/scores", float("nan"))
-    print(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
+    _report(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
           f"last mean score {score:.3f}; run dir {result.run_dir}")
     return 0
 
@@ -116,7 +122,8 @@ def _cmd_train_sft(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     loss = result.get("eval/loss", result.get("train/loss", float("nan")))
-    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; {_export(result, run_dir)}")
+    _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; "
+            f"{_export(result, run_dir)}")
     return 0
 
 
@@ -127,7 +134,7 @@ def _cmd_train_reward(args) -> int:
     cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
     accuracy = result.get("eval/accuracy", float("nan"))
-    print(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
+    _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
           f"{_export(result, run_dir)}")
     return 0
 
@@ -187,7 +194,8 @@ def _cmd_doctor(args) -> int:
     from ppoforge.doctor.runner import Options, main, parse_require
 
     opts = Options(device=args.device, precision=args.precision, quick=args.quick,
-                   require=parse_require(args.require), runs_root=args.runs_root)
+                   require=parse_require(args.require), runs_root=args.runs_root, rdzv_endpoint=args.rdzv_endpoint,
+                   nnodes=args.nnodes, node_rank=args.node_rank)
     return main(opts, as_json=args.json)
 
 
@@ -284,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="capabilities that decide the exit code, comma-separated: "
                      f"{', '.join(CAPABILITY_KEYS)}, all or none (default: {','.join(DEFAULT_REQUIRE)})")
     doc.add_argument("--runs-root", default="runs", help="the runs/checkpoint dir to check (default: runs)")
+    doc.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="multi-node: meet the other nodes' doctors "
+                     "there (default: MASTER_ADDR:MASTER_PORT when set); run it on every node at once")
+    doc.add_argument("--nnodes", type=_positive_int, help="multi-node: how many nodes (default: NNODES, "
+                     "SLURM_NNODES, else 1)")
+    doc.add_argument("--node-rank", type=int, help="multi-node: this node's rank, 0 hosts the rendezvous "
+                     "(default: NODE_RANK, SLURM_NODEID, else 0)")
     doc.set_defaults(func=_cmd_doctor)
 
     nb = sub.add_parser("notebook", help="JupyterLab with authentication always on, on 127.0.0.1 by default")
@@ -311,6 +325,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    dist = sys.modules.get("ppoforge.runtime.distributed")
+    if dist is not None:
+        dist.finish(code)  # under torchrun: leaves the process group and exits here
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("PPOFORGE_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
@@ -329,8 +351,22 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         code, line = classify(e)
-        print(f"ppoforge: error: {line}", file=sys.stderr)
+        line = _rank_line(e, line)
+        if line:
+            print(f"ppoforge: error: {line}", file=sys.stderr)
         return code
+
+
+def _rank_line(e: Exception, line: str) -> str | None:
+    """Under torchrun: the rank in front of the line, and a failure every rank knows (`checked`) printed
+    by rank 0 alone; None for a line this rank leaves to rank 0."""
+    dist = sys.modules.get("ppoforge.runtime.distributed")
+    if dist is None or dist.world().size == 1:
+        return line
+    world = dist.world()
+    if getattr(e, "ppoforge_shared", False) and not world.is_main:
+        return None
+    return line if line.startswith("rank ") else f"rank {world.rank}: {line}"
 
 
 if __name__ == "__main__":

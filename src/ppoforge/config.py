@@ -175,10 +175,13 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg, path: Path) -> None:
+def save_config(cfg, path: Path, note: str | None = None) -> None:
+    """The resolved config as YAML; `note` (how the run was launched: world size, per-rank batch) heads it
+    as a comment, so reading it back gives the same fields."""
     from ppoforge.runtime.rundir import atomic_write_text
 
-    atomic_write_text(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    head = f"# {note}\n" if note else ""
+    atomic_write_text(Path(path), head + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def read_saved_config(path: Path) -> dict:

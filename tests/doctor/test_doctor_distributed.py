@@ -1,17 +1,23 @@
-"""Backends, the 2-process all-reduce (real, hung, crashed), /dev/shm and memlock."""
+"""Backends, the N-process all-reduce (real, hung, crashed), the multi-node rendezvous, /dev/shm and memlock."""
 
 import resource
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from ppoforge.doctor.distributed import (
     DistFacts,
+    Rendezvous,
     check_allreduce,
     check_dist_backends,
     check_memlock,
+    check_rendezvous,
     check_shm,
+    rendezvous_target,
+    run_allreduce,
     shm_bytes,
 )
+from ppoforge.runtime.launch import free_port
 
 MIB, GIB = 2**20, 2**30
 
@@ -67,3 +73,28 @@ def test_memlock():
     r = check_memlock(64 * 1024, gpus=8)
     assert r.status == "warn" and "64 KiB" in r.evidence and "--ulimit memlock=-1" in r.fix
     assert check_memlock(64 * 1024, gpus=0).status == "ok"
+
+
+@pytest.mark.slow
+def test_real_gloo_allreduce_over_three_processes():
+    passed, what = run_allreduce("gloo", 60, nproc=3)
+    assert passed and what == "all 3 ranks got 24.0 (= 4 x (1 + 2 + 3))", what
+
+
+def test_rendezvous_target_from_options_or_the_environment():
+    assert rendezvous_target(None, None, None, {}) is None
+    env = {"MASTER_ADDR": "node0", "SLURM_NNODES": "4", "SLURM_NODEID": "2"}
+    assert rendezvous_target(None, None, None, env) == Rendezvous("node0", 29500, 4, 2)
+    assert rendezvous_target("10.0.0.1:1234", 2, 1, env) == Rendezvous("10.0.0.1", 1234, 2, 1)
+    assert check_rendezvous(None).status == "skip"
+
+
+def test_two_nodes_meet_and_a_missing_node_fails_with_the_fixes():
+    port = free_port()
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda r: check_rendezvous(Rendezvous("127.0.0.1", port, 2, r), timeout=20),
+                                (0, 1)))
+    assert [r.status for r in results] == ["ok", "ok"], [r.evidence for r in results]
+    assert "all 2 node(s) met" in results[0].evidence
+    alone = check_rendezvous(Rendezvous("127.0.0.1", free_port(), 2, 1), timeout=2)  # nobody hosts it
+    assert alone.status == "fail" and "node 1 of 2 at 127.0.0.1" in alone.evidence and "nc -zv" in alone.fix

@@ -120,17 +120,20 @@ class EnvRunner:
             "ret_rms": self.ret_rms.state_dict() if self.ret_rms else None,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.envs.close()
-        self.envs = pickle.loads(state["envs"].numpy().tobytes())  # our own checkpoint, written by us
+    def load_state_dict(self, state: dict, restore_envs: bool = True, seed_offset: int = 0) -> None:
+        """`restore_envs=False` (a run under torchrun: the checkpoint holds rank 0's environments only)
+        keeps this runner's environments and starts fresh episodes, seeded by the step count + offset."""
+        if restore_envs:
+            self.envs.close()
+            self.envs = pickle.loads(state["envs"].numpy().tobytes())  # our own checkpoint, written by us
         self.finished = deque((tuple(x) for x in state["finished"]), maxlen=100)
         if self.obs_rms:
             self.obs_rms.load_state_dict(state["obs_rms"])
         if self.ret_rms:
             self.ret_rms.load_state_dict(state["ret_rms"])
-        if not snapshots_exactly(self.envs):
+        if not restore_envs or not snapshots_exactly(self.envs):
             # The simulator state was not in the pickle: start fresh episodes (seeded by the step count).
-            seed = int(state["ep_length"].sum()) + len(self.finished)
+            seed = int(state["ep_length"].sum()) + len(self.finished) + seed_offset
             self.obs = self._normalize_obs(self.envs.reset(seed=seed)[0])
             return
         self.obs = state["obs"].numpy().copy()

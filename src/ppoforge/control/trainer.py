@@ -6,6 +6,10 @@ advantage normalization, clipped surrogate, value clipping, entropy bonus, globa
 approx-KL/clipfrac diagnostics, separate actor and critic — and the continuous-action ones (state-
 independent log-std, obs and reward normalization with clipping, action clipping with the unclipped
 action stored). Deliberate deviation from CleanRL: time-limit truncations bootstrap from V(final obs).
+Under torchrun each rank steps its slice of the `num_envs` environments (seeded by their global index,
+actions drawn from the global batch's random numbers), minibatch losses are weighted by each rank's
+share of the global minibatch, advantages are normalized with global statistics and the gradients are
+all-reduced once per step (`runtime/distributed.py`); the hand-derived gradients are single-process.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime import trust
+from ppoforge.runtime import distributed, trust
 from ppoforge.runtime.checkpoint import load_checkpoint, resume_from, rng_state, seed_everything, set_rng_state
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
@@ -78,8 +82,11 @@ class ControlTrainer:
         threadpool_limits(cfg.torch_threads, user_api="blas")
         seed_everything(cfg.seed)
         self.device = resolve_device(cfg.device)
+        self.world = distributed.init(cfg.dist_timeout, self.device)
+        self.run_dir = Path(distributed.rank0_value(str(self.run_dir)))
+        self.envs_shard = distributed.shard(cfg.num_envs, "num_envs")  # this rank's environments
         self.precision = make_precision(cfg.precision, self.device)
-        envs = make_vector_env(cfg.env_id, cfg.num_envs)
+        envs = make_vector_env(cfg.env_id, self.envs_shard.stop - self.envs_shard.start)
         space = envs.single_action_space
         continuous = space.shape != ()
         act_dim = int(np.prod(space.shape)) if continuous else int(space.n)
@@ -87,10 +94,12 @@ class ControlTrainer:
                                  cfg.hidden_size).to(self.device)
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5,
                                           **({"fused": True} if self.device.type in ("cpu", "cuda") else {}))
-        self.runner = EnvRunner(envs, cfg.seed, cfg.gamma, cfg.normalize_obs, cfg.normalize_reward,
-                                cfg.clip_obs, cfg.clip_reward)
+        self.runner = EnvRunner(envs, cfg.seed + self.envs_shard.start, cfg.gamma, cfg.normalize_obs,
+                                cfg.normalize_reward, cfg.clip_obs, cfg.clip_reward)  # env i: seed + global i
         self.policy_rng = np.random.default_rng(cfg.seed)
-        self.policy = make_policy(self.agent, self.policy_rng)
+        self.policy = make_policy(self.agent, distributed.sliced_rng(self.policy_rng, self.envs_shard, cfg.num_envs))
+        distributed.broadcast_params(self.agent.parameters())
+        distributed.reseed(cfg.seed)
         self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
         self.step = make_step(self.agent, self.optimizer, self.precision, cfg, self.guard)
         self.update = 0  # completed updates
@@ -104,7 +113,7 @@ class ControlTrainer:
                 "precision": self.precision.state_dict(), "runner": self.runner.state_dict(),
                 "policy_rng": self.policy_rng.bit_generator.state, "rng": rng_state(),
                 "update": self.update, "config": config_to_dict(self.cfg), "guard": self.guard.state_dict(),
-                "lr_scale": self.lr_scale}
+                "lr_scale": self.lr_scale, "world_size": self.world.size}
 
     def light_state(self) -> dict:
         """Unused: the whole state is small enough to copy at every update (see RunGuard)."""
@@ -114,7 +123,10 @@ class ControlTrainer:
         self.agent.load_state_dict(state["agent"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
-        self.runner.load_state_dict(state["runner"])
+        # under torchrun rank 0's environments are not the others': every rank restarts its episodes
+        distributed_run = self.world.size > 1 or state.get("world_size", 1) > 1
+        self.runner.load_state_dict(state["runner"], restore_envs=not distributed_run,
+                                    seed_offset=self.envs_shard.start)
         self.policy_rng.bit_generator.state = state["policy_rng"]
         set_rng_state(state["rng"])
         self.update = state["update"]
@@ -124,21 +136,24 @@ class ControlTrainer:
     def rollback(self) -> None:
         """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        distributed.barrier()  # rank 0's checkpoint is on disk
         self.load(load_checkpoint(self.run_dir / CHECKPOINT))
         self.guard.counts.update(counts)
         self.lr_scale = scale
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.update * self.cfg.batch_size)
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update * self.cfg.batch_size)
 
     # ---- training ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        cfg = self.cfg
-        save_config(cfg, self.run_dir / "config.yaml")
-        if self.update == 0:
-            trust.record(self.run_dir, cfg)
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.update * cfg.batch_size)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
+        cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
+        if main:
+            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.num_envs, "envs"))
+            if self.update == 0:
+                trust.record(self.run_dir, cfg)
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update * cfg.batch_size)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
         progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
-                            enabled=cfg.progress, unit="step")
+                            enabled=cfg.progress and main, unit="step")
 
         def after_update(metrics: dict) -> None:
             logger.log(self.update * cfg.batch_size, metrics)
@@ -159,10 +174,13 @@ class ControlTrainer:
         start = time.perf_counter()
         anneal = (1.0 - self.update / cfg.num_updates) if cfg.anneal_lr else 1.0
         self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * self.lr_scale * anneal
-        ro = call_with_timeout(lambda: self.runner.collect(self.policy, cfg.num_steps), cfg.call_timeout,
-                               f"a rollout of {cfg.num_steps} steps of {cfg.env_id}")
-        finite, ro.rewards = self.guard.rewards_ok(torch.from_numpy(ro.rewards), cfg.reward_clip)
-        ro.rewards = ro.rewards.numpy()
+        ro = distributed.checked(call_with_timeout, lambda: self.runner.collect(self.policy, cfg.num_steps),
+                                 cfg.call_timeout, f"a rollout of {cfg.num_steps} steps of {cfg.env_id}")
+        rewards = torch.from_numpy(ro.rewards)  # (T, N): the guard sees every rank's, and decides alike
+        if self.world.size > 1:
+            rewards = distributed.all_gather(rewards.T.contiguous()).T
+        finite, rewards = self.guard.rewards_ok(rewards, cfg.reward_clip)
+        ro.rewards = (rewards[:, self.envs_shard] if self.world.size > 1 else rewards).numpy()
         adv, ret = rollout_advantages(ro, cfg.gamma, cfg.gae_lambda)
         batch = _flatten(ro, adv, ret, self.device)
         self.optimizing = True
@@ -173,10 +191,12 @@ class ControlTrainer:
         keep = ro.valid
         metrics["losses/explained_variance"] = explained_variance(ro.values[keep], ret[keep])
         metrics["charts/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        if self.runner.new_episodes:
-            metrics["charts/episodic_return"] = float(np.mean([r for r, _ in self.runner.new_episodes]))
-            metrics["charts/episodic_length"] = float(np.mean([n for _, n in self.runner.new_episodes]))
+        episodes = distributed.gather_rows(self.runner.new_episodes)  # every rank's environments
+        if episodes:
+            metrics["charts/episodic_return"] = float(np.mean([r for r, _ in episodes]))
+            metrics["charts/episodic_length"] = float(np.mean([n for _, n in episodes]))
         metrics["charts/SPS"] = cfg.batch_size / (time.perf_counter() - start)
+        metrics["perf/world_size"] = self.world.size  # envs per rank: num_envs / this
         return metrics
 
 
@@ -186,6 +206,7 @@ def train(cfg: ControlConfig, run_dir: Path, resume: bool = False) -> TrainResul
     if resume:
         resume_from(trainer, Path(run_dir) / CHECKPOINT)
     result = trainer.run()
-    plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss", "losses/approx_kl"],
-                Path(run_dir) / "learning_curve.png", title=cfg.env_id)
+    if trainer.world.is_main:
+        plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",
+                    "losses/approx_kl"], Path(run_dir) / "learning_curve.png", title=cfg.env_id)
     return result

@@ -3,7 +3,9 @@
 `ppo_update` does not know how a minibatch's gradients are made: it calls a `MinibatchStep`, chosen
 once by `make_step` — autograd (any device and precision), or on CPU in fp32 the hand-derived numpy
 gradients of `handgrad.py` (tested equal to autograd). Shuffling, the clipping rule, the optimizer
-and the diagnostics are the same on both.
+and the diagnostics are the same on both. Under torchrun (autograd only) each rank's minibatch is its
+part of the global one: the advantage normalization uses all ranks' statistics, each rank's mean loss
+is weighted by its share of the global minibatch, and one all-reduce sums the gradients and stats.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from ppoforge.control.agent import ActorCritic
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.handgrad import HandGradStep
 from ppoforge.core.losses import policy_loss, value_loss
+from ppoforge.core.stats import global_mean_var
+from ppoforge.runtime import distributed
 from ppoforge.runtime.precision import Precision
 from ppoforge.runtime.resilience import NonFiniteGuard
 
@@ -67,26 +71,43 @@ def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Cont
         """One minibatch: loss, backward, clip, Adam."""
         with precision.autocast():
             logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
-        adv = mb["adv"]
-        if cfg.norm_adv and adv.numel() > 1:
+        adv, share = mb["adv"], _share(mb["adv"])  # share: this rank's part of the global minibatch
+        if cfg.norm_adv and share is None and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        pg_loss, pg_stats = policy_loss(logp, mb["logp"], adv, cfg.clip_coef, with_stats=with_stats)
+        elif cfg.norm_adv and share is not None:
+            mean, var = global_mean_var(adv, None, distributed.all_sum)
+            adv = (adv - mean) / (var.sqrt() + 1e-8)
+        want = with_stats or share is not None  # under torchrun the stats ride along in the all-reduce
+        pg_loss, pg_stats = policy_loss(logp, mb["logp"], adv, cfg.clip_coef, with_stats=want)
         v_loss, _ = value_loss(values, mb["values"], mb["ret"], cfg.clip_coef if cfg.clip_vloss else None,
                                with_stats=False)
         ent = entropy.mean()
         loss = pg_loss - cfg.ent_coef * ent + cfg.vf_coef * v_loss
         optimizer.zero_grad(set_to_none=True)
-        precision.backward(loss)
-        norm = precision.clip(optimizer, params, cfg.max_grad_norm)
-        precision.apply(optimizer, skip=not guard.step_ok(loss.detach(), norm, precision.scaler is not None))
-        if not with_stats:
-            return None
-        return torch.stack(UpdateStats(
+        stats = torch.stack(UpdateStats(
             policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=ent.detach(),
             approx_kl=pg_stats["approx_kl"], clipfrac=pg_stats["clipfrac"],
-            old_approx_kl=(mb["logp"] - logp.detach()).mean()))
+            old_approx_kl=(mb["logp"] - logp.detach()).mean())) if want else None
+        total = loss.detach()
+        if share is not None:  # the global minibatch's mean loss, stats and gradient: sums of the shares
+            precision.backward(loss * share)
+            summed = distributed.all_reduce_grads(params, torch.cat([total.reshape(1), stats.float()]) * share)
+            total, stats = summed[0], summed[1:]
+        else:
+            precision.backward(loss)
+        norm = precision.clip(optimizer, params, cfg.max_grad_norm)
+        precision.apply(optimizer, skip=not guard.step_ok(total, norm, precision.scaler is not None))
+        return stats if with_stats else None
 
     return step
+
+
+def _share(x: torch.Tensor) -> torch.Tensor | None:
+    """This rank's rows / the global minibatch's rows (all-reduced); None at world 1."""
+    if distributed.world().size == 1:
+        return None
+    n = distributed.all_sum(torch.tensor([float(x.shape[0])], device=x.device))[0]
+    return x.shape[0] / n
 
 
 def handgrad_step(agent: ActorCritic, optimizer, cfg: ControlConfig, guard: NonFiniteGuard) -> MinibatchStep:
@@ -109,6 +130,6 @@ def make_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlC
     """The hand-derived gradients for an fp32 agent on CPU (unless `hand_gradients` is false), else autograd.
     Either way a step whose loss or gradient norm is not finite is skipped (`guard`)."""
     on_cpu = next(agent.parameters()).device.type == "cpu"
-    if cfg.hand_gradients and on_cpu and precision.name == "fp32":
+    if cfg.hand_gradients and on_cpu and precision.name == "fp32" and distributed.world().size == 1:
         return handgrad_step(agent, optimizer, cfg, guard)
     return autograd_step(agent, optimizer, precision, cfg, guard)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ppoforge.core.advantages import gae
-from ppoforge.core.stats import whiten
+from ppoforge.core.stats import global_mean_var, whiten
 
 SCALES = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's GRPO: a group whose rewards are all equal gets advantages 0, not 0 / 0
@@ -47,29 +47,32 @@ def group_mean(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return groups(x, group_size).mean(1).repeat_interleave(group_size)
 
 
-def _scaled(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
+def _scaled(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, scale: str, eps: float,
+            all_sum=None) -> torch.Tensor:
     if scale == "none":
         return adv
     if scale == "group":
         std = groups(rewards, group_size).std(1).repeat_interleave(group_size)
     elif scale == "batch":
-        std = rewards.std().expand_as(rewards)
+        std = rewards.std() if all_sum is None else global_mean_var(rewards, None, all_sum)[1].sqrt()
+        std = std.expand_as(rewards)
     else:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     return adv / (std + eps)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = STD_EPS
-                    ) -> torch.Tensor:
-    """(B,) A_i = (r_i - mean_group(r)) / (std + eps); see the module docstring for `scale`."""
-    return _scaled(rewards - group_mean(rewards, group_size), rewards, group_size, scale, eps)
+def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = STD_EPS,
+                    all_sum=None) -> torch.Tensor:
+    """(B,) A_i = (r_i - mean_group(r)) / (std + eps); see the module docstring for `scale`. `all_sum`
+    (data parallel: a sum over ranks, whose shards hold whole groups) makes `batch`'s std global."""
+    return _scaled(rewards - group_mean(rewards, group_size), rewards, group_size, scale, eps, all_sum)
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none", eps: float = STD_EPS
-                    ) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none", eps: float = STD_EPS,
+                    all_sum=None) -> torch.Tensor:
     """(B,) A_i = r_i - (sum_group(r) - r_i) / (G - 1), optionally divided by a std like GRPO's."""
     sums = groups(rewards, group_size).sum(1).repeat_interleave(group_size)
-    return _scaled(rewards - (sums - rewards) / (group_size - 1), rewards, group_size, scale, eps)
+    return _scaled(rewards - (sums - rewards) / (group_size - 1), rewards, group_size, scale, eps, all_sum)
 
 
 def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -84,9 +87,11 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) 
     return ret.T * mask
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """(B, T) REINFORCE++: the per-token rewards' reward-to-go, whitened over the batch's real tokens."""
-    return whiten(reward_to_go(rewards, mask, gamma), mask)
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, all_sum=None
+                            ) -> torch.Tensor:
+    """(B, T) REINFORCE++: the per-token rewards' reward-to-go, whitened over the batch's real tokens
+    (all ranks' with `all_sum`)."""
+    return whiten(reward_to_go(rewards, mask, gamma), mask, all_sum=all_sum)
 
 
 def group_reward_stats(rewards: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:

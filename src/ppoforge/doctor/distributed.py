@@ -1,8 +1,13 @@
-"""Distributed: backends, a real 2-process all-reduce under a timeout, /dev/shm and the memlock limit.
+"""Distributed: backends, a real N-process all-reduce under a timeout, a multi-node rendezvous, /dev/shm
+and the memlock limit.
 
-The all-reduce runs in two fresh interpreters (not fork: CUDA and fork do not mix), NCCL when two GPUs
-are visible and gloo otherwise. A hang is the classic NCCL failure — no error, just a stuck collective —
-so the parent kills both ranks at the deadline and turns the hang into a `fail` with the usual fixes.
+The all-reduce runs in fresh interpreters (not fork: CUDA and fork do not mix): one per visible GPU
+over NCCL when two or more are visible (what `torchrun --nproc_per_node <GPUs>` will do), else two over
+gloo. The rendezvous check (only when MASTER_ADDR or --rdzv-endpoint names one) meets the other nodes'
+doctors at HOST:PORT through torch's TCPStore — the store torchrun's c10d rendezvous uses — so a wrong
+address, a closed port or a node that never arrives is a `fail` before a training job waits on it.
+A hang is the classic NCCL failure — no error, just a stuck collective — so the parent kills every
+rank at the deadline and turns the hang into a `fail` with the usual fixes.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ppoforge.doctor.report import CheckResult, fail, ok, warn
+from ppoforge.doctor.report import CheckResult, fail, ok, skip, warn
 
 GIB = 2**30
 WORKER = "from ppoforge.doctor.distributed import allreduce_worker; allreduce_worker()"
@@ -56,7 +61,7 @@ def check_dist_backends(f: DistFacts) -> CheckResult:
 
 
 def allreduce_worker() -> None:
-    """One rank: init, all-reduce [rank + 1] * 4 over 2 ranks, print the sum (12.0)."""
+    """One rank: init, all-reduce [rank + 1] * 4 over WORLD_SIZE ranks, print the sum (2 ranks: 12.0)."""
     backend, rank = os.environ["PPOFORGE_DOCTOR_BACKEND"], int(os.environ["RANK"])
     timeout = timedelta(seconds=float(os.environ["PPOFORGE_DOCTOR_TIMEOUT"]))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -75,41 +80,109 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_allreduce(backend: str, timeout: float, code: str = WORKER) -> tuple[bool, str]:
-    """(succeeded, what happened). Both ranks are killed at the deadline."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+def run_allreduce(backend: str, timeout: float, code: str = WORKER, nproc: int = 2) -> tuple[bool, str]:
+    """(succeeded, what happened). Every rank is killed at the deadline."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
            "PPOFORGE_DOCTOR_BACKEND": backend, "PPOFORGE_DOCTOR_TIMEOUT": str(timeout),
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
     deadline, outputs = time.monotonic() + timeout, []
     try:
         for p in procs:
             outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
-        return False, f"hung: no result within {timeout:g} s, both ranks killed"
+        return False, f"hung: no result within {timeout:g} s, {'both' if nproc == 2 else 'all'} ranks killed"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
     results = [out.strip().splitlines()[-1] if out.strip() else "" for out, _ in outputs]
-    if all(p.returncode == 0 for p in procs) and results == ["12.0", "12.0"]:
-        return True, "both ranks got 12.0 (= 4 x (1 + 2))"
+    expected = str(4.0 * nproc * (nproc + 1) / 2)
+    if all(p.returncode == 0 for p in procs) and results == [expected] * nproc:
+        who = "both ranks" if nproc == 2 else f"all {nproc} ranks"
+        return True, f"{who} got {expected} (= 4 x ({' + '.join(str(r + 1) for r in range(nproc))}))"
     errors = [err.strip().splitlines()[-1] for (_, err) in outputs if err.strip()]
     return False, (f"exit codes {[p.returncode for p in procs]}, results {results}"
                    + (f"; {errors[0][:200]}" if errors else ""))
 
 
 def check_allreduce(gpus: int, nccl: bool, timeout: float = 30.0, code: str = WORKER) -> CheckResult:
+    """The all-reduce `torchrun --nproc_per_node <GPUs>` will need: one process per GPU over NCCL, else
+    two over gloo (CPU training)."""
     name = "allreduce"
     backend = "nccl" if gpus >= 2 and nccl else "gloo"
+    nproc = gpus if backend == "nccl" else 2
     start = time.perf_counter()
-    passed, what = run_allreduce(backend, timeout, code)
-    evidence = f"2-process {backend} all-reduce: {what} ({time.perf_counter() - start:.1f} s)"
+    passed, what = run_allreduce(backend, timeout, code, nproc)
+    evidence = f"{nproc}-process {backend} all-reduce: {what} ({time.perf_counter() - start:.1f} s)"
     if passed:
         return ok(name, evidence)
     return fail(name, evidence, NCCL_FIXES if backend == "nccl" else GLOO_FIXES)
+
+
+# ---- multi-node rendezvous -------------------------------------------------------------------------
+RDZV_FIXES = ("the same HOST:PORT on every node (torchrun --rdzv-endpoint, or MASTER_ADDR / MASTER_PORT); HOST "
+              "must resolve and PORT be open from every node (nc -zv HOST PORT; a firewall or a security group "
+              "may block it); run the doctor on all nodes at once with --nnodes N and each --node-rank; set "
+              "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the interface that reaches HOST")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    host: str
+    port: int
+    nnodes: int
+    node_rank: int
+
+
+def rendezvous_target(endpoint: str | None, nnodes: int | None, node_rank: int | None,
+                      env: dict) -> Rendezvous | None:
+    """What to meet at: --rdzv-endpoint, else MASTER_ADDR[:MASTER_PORT] (29500, torchrun's default);
+    node count and rank from the options, else NNODES / NODE_RANK, else Slurm's; None without an address."""
+    if endpoint is None and env.get("MASTER_ADDR"):
+        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    if not endpoint:
+        return None
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
+    nnodes = nnodes or int(env.get("NNODES") or env.get("SLURM_NNODES") or 1)
+    node_rank = node_rank if node_rank is not None else int(env.get("NODE_RANK") or env.get("SLURM_NODEID") or 0)
+    return Rendezvous(host, int(port), nnodes, node_rank)
+
+
+def run_rendezvous(target: Rendezvous, timeout: float) -> tuple[bool, str]:
+    """(met, what happened): node 0 hosts a TCPStore at HOST:PORT, every node checks in, and each waits
+    until all `nnodes` have (node 0 also until every node has seen that, so it never leaves first)."""
+    from torch.distributed import TCPStore
+
+    start = time.monotonic()
+    try:
+        store = TCPStore(target.host, target.port, target.nnodes, is_master=target.node_rank == 0,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        for key in ("ppoforge_doctor/arrived", "ppoforge_doctor/seen"):
+            store.add(key, 1)
+            while target.node_rank == 0 or key.endswith("arrived"):  # node 0 hosts: it waits for both counts
+                if (n := store.add(key, 0)) >= target.nnodes:
+                    break
+                if time.monotonic() - start > timeout:
+                    return False, f"{n} of {target.nnodes} nodes arrived within {timeout:g} s"
+                time.sleep(0.1)
+    except Exception as e:  # noqa: BLE001 - any failure to meet is the same finding
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return False, f"{type(e).__name__}: {first}"
+    return True, f"all {target.nnodes} node(s) met ({time.monotonic() - start:.1f} s)"
+
+
+def check_rendezvous(target: Rendezvous | None, timeout: float = 60.0) -> CheckResult:
+    name = "rendezvous"
+    if target is None:
+        return skip(name, "no MASTER_ADDR or --rdzv-endpoint: a single-node run needs no rendezvous")
+    where = f"node {target.node_rank} of {target.nnodes} at {target.host}:{target.port}"
+    passed, what = run_rendezvous(target, timeout)
+    if passed:
+        return ok(name, f"{where}: {what}")
+    return fail(name, f"{where}: {what}", RDZV_FIXES)
 
 
 # ---- shared memory and pinned memory --------------------------------------------------------------

@@ -58,6 +58,8 @@ CAPABILITIES = (
                ("python_torch", "torch_wheel", "gpu_visibility", "libraries_lm", "lm_smoke")),
     Capability("precision", "mixed precision (bf16 / fp16)", (), any_of=("bf16_step", "fp16_step")),
     Capability("multigpu", "multi-GPU (DDP over NCCL)", ("dist_backends", "allreduce"), min_gpus=2),
+    Capability("multinode", "multi-node (rendezvous at MASTER_ADDR / --rdzv-endpoint, then DDP)",
+               ("dist_backends", "allreduce", "rendezvous")),
     Capability("notebook", "notebook access", ("jupyter",)),
     Capability("checkpoints", "persistent checkpoints", ("runs_dir", "checkpoint_roundtrip")),
 )

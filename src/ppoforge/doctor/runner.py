@@ -33,7 +33,7 @@ from ppoforge.doctor.report import (
 )
 from ppoforge.errors import UserError
 
-SLOW = ("allreduce", "control_smoke", "lm_smoke", "chat_template")  # skipped by --quick
+SLOW = ("allreduce", "rendezvous", "control_smoke", "lm_smoke", "chat_template")  # skipped by --quick
 QUICK_SKIP = "not run (--quick)"
 
 
@@ -45,6 +45,9 @@ class Options:
     require: tuple[str, ...] = DEFAULT_REQUIRE
     runs_root: str = "runs"
     allreduce_timeout: float = 30.0
+    rdzv_endpoint: str | None = None  # multi-node: HOST:PORT to meet the other nodes' doctors at
+    nnodes: int | None = None
+    node_rank: int | None = None
 
 
 def parse_require(text: str) -> tuple[str, ...]:
@@ -117,6 +120,8 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("dist_backends", lambda: distributed.check_dist_backends(dist)),
         ("allreduce", lambda: distributed.check_allreduce(facts.torch_count, dist.nccl,
                                                           opts.allreduce_timeout)),
+        ("rendezvous", lambda: distributed.check_rendezvous(distributed.rendezvous_target(
+            opts.rdzv_endpoint, opts.nnodes, opts.node_rank, dict(os.environ)))),
         ("shm", lambda: distributed.check_shm(distributed.shm_bytes(), container is not None)),
         ("memlock", lambda: distributed.check_memlock(distributed.memlock_limit(), facts.torch_count)),
         ("root", lambda: security.check_root(os.geteuid())),

@@ -248,11 +248,14 @@ class Episodic:
                   "tokens rendered as template diffs will not match the template's rendering of whole "
                   "conversations (end_check counts or refuses them)", file=sys.stderr)
 
-    def play(self, decoder: Decoder, rows: list[dict], seeds: list[int], generator: torch.Generator,
+    def uniforms(self, n: int, generator: torch.Generator, params: SamplingParams) -> torch.Tensor:
+        """(max_turns * max_new_tokens, n) sampling uniforms: one per turn, decode step and row."""
+        return torch.rand(self.budgets.max_turns * params.max_new_tokens, n, generator=generator,
+                          device=generator.device)
+
+    def play(self, decoder: Decoder, rows: list[dict], seeds: list[int], uniforms: torch.Tensor,
              params: SamplingParams, device) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
         """One episode per row with a fresh environment (see `run_episodes`)."""
-        uniforms = torch.rand(self.budgets.max_turns * params.max_new_tokens, len(rows), generator=generator,
-                              device=generator.device)
         return run_episodes(decoder, self.renderer, [self.factory() for _ in rows], rows, seeds, params,
                             self.budgets, uniforms, self.max_prompt_tokens, device)
 

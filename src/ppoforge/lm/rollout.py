@@ -7,7 +7,8 @@ sequence tensors are batch-major (B, ...); GAE runs time-major, so `advantages` 
 (B, T), returns or None): GAE with the critic's values, or a critic-free estimator of
 `core/critic_free.py` over the whole rollout, whose groups are contiguous rows (G completions of a
 prompt in a row). The trainer calls it before PPO shuffles the rollout into mini-batches, so a group's
-statistics always see all of its completions.
+statistics always see all of its completions. Under torchrun each rank holds whole groups; the
+statistics over the batch (whitening, `scale: batch`) are all ranks' (`reducer()`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ppoforge.core.critic_free import (
     rloo_advantages,
 )
 from ppoforge.core.stats import whiten
+from ppoforge.runtime.distributed import reducer
 
 if TYPE_CHECKING:
     from ppoforge.lm.config import RLHFConfig
@@ -130,9 +132,9 @@ def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Ten
     first policy token. Returns (whitened advantages, returns), (B, T), 0 where resp_mask is 0.
     """
     if whiten_rewards:
-        rewards = whiten(rewards, resp_mask, shift_mean=False)
+        rewards = whiten(rewards, resp_mask, shift_mean=False, all_sum=reducer())
     adv, ret = over_real_tokens(lambda r, v, m: _packed_gae(r, v, m, gamma, lam), resp_mask, rewards, values)
-    return whiten(adv, resp_mask), ret
+    return whiten(adv, resp_mask, all_sum=reducer()), ret
 
 
 def _packed_gae(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Tensor, gamma: float, lam: float
@@ -163,13 +165,13 @@ def _sequence_rewards(b: Rollout, non_score: torch.Tensor) -> torch.Tensor:
 
 def grpo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """GRPO: each response's group-normalized reward on every one of its tokens."""
-    adv = grpo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale)
+    adv = grpo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale, all_sum=reducer())
     return adv[:, None] * b.resp_mask, None
 
 
 def rloo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
     """RLOO: each response's reward minus the mean of its group's others, on every one of its tokens."""
-    adv = rloo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale)
+    adv = rloo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale, all_sum=reducer())
     return adv[:, None] * b.resp_mask, None
 
 
@@ -185,8 +187,9 @@ def reinforce_pp_baseline_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLH
 
 
 def _reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++ whose discount runs over the policy's tokens only (packed, as in `advantages`)."""
-    return over_real_tokens(lambda r, m: reinforce_pp_advantages(r, m, gamma), mask, rewards)
+    """REINFORCE++ whose discount runs over the policy's tokens only (packed, as in `advantages`), its
+    whitening over every rank's tokens."""
+    return over_real_tokens(lambda r, m: reinforce_pp_advantages(r, m, gamma, reducer()), mask, rewards)
 
 
 ESTIMATORS = {"gae": gae_estimate, "grpo": grpo_estimate, "rloo": rloo_estimate,

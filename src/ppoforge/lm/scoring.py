@@ -26,6 +26,7 @@ import torch
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.policy import Layout
 from ppoforge.lm.sampler import Samples
+from ppoforge.runtime import distributed
 
 
 class RolloutScoring:
@@ -88,7 +89,7 @@ class RolloutScoring:
         recomputes them)."""
         gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(names, plain, fast, strict=True)
                 if p is not None}
-        if all(g == 0 for g in gaps.values()):
+        if not distributed.any_true(any(g != 0 for g in gaps.values())):  # the ranks decide alike
             return True
         diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap)
         fix = ("old log-probs and values come from a training forward every update (one more forward)"

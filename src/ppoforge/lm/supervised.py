@@ -8,6 +8,9 @@ the batch's loss units — tokens for SFT, pairs for reward models — so any sp
 gradient), the non-finite guard, OOM halving of the micro-batch, `RunGuard` checkpoints on failure and
 `train_loop` (signals, periodic checkpoints). The data order is a permutation per epoch seeded by
 (seed, epoch) and a cursor: a resumed run sees exactly the batches the uninterrupted one would.
+Under torchrun every rank draws the same global batch and trains its slice of it; the loss units are
+counted over the whole batch (every rank holds all items, so no collective is needed for it), and the
+gradients, loss and stats are all-reduced once per step. Evaluation and every run-dir write are rank 0's.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ import torch
 from ppoforge.config import config_to_dict, save_config
 from ppoforge.core.accumulation import token_share
 from ppoforge.lm.config import SupervisedConfig
-from ppoforge.runtime import trust
+from ppoforge.runtime import distributed, trust
 from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, seed_everything, set_rng_state
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import MetricsLogger, truncate_metrics
+from ppoforge.runtime.metrics import MetricsLogger, NullLogger, truncate_metrics
 from ppoforge.runtime.oom import halve, is_oom
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
@@ -61,9 +64,14 @@ class Task(Protocol):
 
 class SupervisedTrainer:
     def __init__(self, cfg: SupervisedConfig, run_dir: Path, task: Task):
-        self.cfg, self.run_dir, self.task = cfg, Path(run_dir), task
+        self.cfg, self.run_dir, self.task = cfg, Path(distributed.rank0_value(str(run_dir))), task
+        self.world = distributed.world()  # joined in `prepare`, before the task built its model
+        distributed.shard(cfg.batch_size, "batch_size")  # a global batch that divides by the ranks
         self.precision = make_precision(cfg.precision, task.device)
         self.params = [p for _, p in task.trainable()]
+        distributed.broadcast_params(self.params)
+        distributed.reseed(cfg.seed)
+        self.stat_keys: list[str] | None = None  # the task's stats, fixed by the first step (all-reduce layout)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                            fused=task.device.type in ("cpu", "cuda"))
         n = len(task.train_items)
@@ -99,10 +107,12 @@ class SupervisedTrainer:
 
     def rollback(self) -> None:
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        distributed.barrier()  # rank 0's checkpoint is on disk
         self.load(load_checkpoint(self.run_dir / CHECKPOINT))
         self.guard.counts.update(counts)
         self.lr_scale = scale
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
 
     # ---- one step ----------------------------------------------------------------------------------
     def next_batch(self) -> list:
@@ -128,8 +138,8 @@ class SupervisedTrainer:
         """The batch's gradients in .grad (micro-batches of `micro_batch` items, halved and redone on OOM);
         the batch-mean loss and stats. Micro-batches take the items in order of size, so each pads to
         less; the token-share weights make the sum the batch's gradient whatever the split."""
-        items = sorted(items, key=self.task.size)
-        total = self.task.units(items)
+        total = self.task.units(items)  # the whole (global) batch's units: the single-process weights
+        items = sorted(items[distributed.uneven_shard(len(items))], key=self.task.size)  # this rank's
         while True:
             self.optimizer.zero_grad(set_to_none=True)
             try:
@@ -150,13 +160,25 @@ class SupervisedTrainer:
                     raise
                 self.micro_batch = halve(self.micro_batch, "micro-batch", e)
 
+    def _all_reduced(self, loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
+        """The ranks' gradients, loss and stats summed (each already weighted by its share of the batch)
+        in one all-reduce; as they are at world 1."""
+        if self.world.size == 1:
+            return loss, stats
+        self.stat_keys = self.stat_keys or sorted(stats)
+        zero = torch.zeros((), device=self.task.device)
+        extra = torch.stack([loss.reshape(()), *(torch.as_tensor(stats.get(k, zero)).reshape(()).to(zero)
+                                                  for k in self.stat_keys)]).float()
+        summed = distributed.all_reduce_grads(self.params, extra)
+        return summed[0], dict(zip(self.stat_keys, summed[1:], strict=True))
+
     def train_one_update(self) -> dict:
         start = time.perf_counter()
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         items = self.next_batch()
-        loss, stats = self._gradients(items)
+        loss, stats = self._all_reduced(*self._gradients(items))
         norm = self.precision.clip(self.optimizer, self.params, self.cfg.max_grad_norm)
         ok = self.guard.step_ok(loss, norm, self.precision.scaler is not None)
         self.optimizing = True
@@ -168,26 +190,28 @@ class SupervisedTrainer:
         units = float(self.task.units(items))
         metrics.update({"lr": lr, "epoch": self.cursor / len(self.task.train_items), **self.guard.counts,
                         "guard/micro_batch_size": self.micro_batch, "perf/units_per_s": units / elapsed,
-                        "perf/step_s": elapsed})
+                        "perf/step_s": elapsed, "perf/world_size": self.world.size})
         return metrics
 
     # ---- the run -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def evaluate(self) -> dict:
-        if not self.task.eval_items:
+        """Rank 0's (the others go on to the next step's all-reduce and wait there)."""
+        if not self.task.eval_items or not self.world.is_main:
             return {}
         with self.precision.autocast():
             return self.task.evaluate(self.task.eval_items)
 
     def run(self) -> dict:
         """Train to the end (or a stop signal); returns the last metrics, eval included."""
-        cfg = self.cfg
-        save_config(cfg, self.run_dir / "config.yaml")
-        if self.update == 0:
-            trust.record(self.run_dir, cfg)
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
-        progress = Progress(self.total_steps, self.update, enabled=cfg.progress, unit="step")
+        cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
+        if main:
+            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.batch_size, "examples"))
+            if self.update == 0:
+                trust.record(self.run_dir, cfg)
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
+        progress = Progress(self.total_steps, self.update, enabled=cfg.progress and main, unit="step")
         last: dict = {}
 
         def after_update(metrics: dict) -> None:
@@ -206,13 +230,14 @@ class SupervisedTrainer:
                 if cfg.nonfinite_action == "rollback":
                     self.run_guard.save()
             stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
-            if self.update == self.total_steps and not stopped:
+            if self.update == self.total_steps and not stopped and main:
                 self.task.export(self.run_dir / "model")
         finally:
             progress.close()
             logger.close()
-        atomic_write_text(self.run_dir / "summary.json",
-                          json.dumps({"steps": self.update, "stopped_by": stopped, **last}, indent=1) + "\n")
+        if main:
+            atomic_write_text(self.run_dir / "summary.json",
+                              json.dumps({"steps": self.update, "stopped_by": stopped, **last}, indent=1) + "\n")
         return {"steps": self.update, "stopped_by": stopped, **last}
 
 
@@ -224,9 +249,11 @@ def prepare(cfg: SupervisedConfig):
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    distributed.init(cfg.dist_timeout, device)  # torchrun's process group (nothing at world 1)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
                                field="tokenizer" if cfg.tokenizer else "model")
-    return resolve_device(cfg.device), tokenizer
+    return device, tokenizer
 
 
 def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[list, list, list[dict], str, object]:
@@ -247,7 +274,9 @@ def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[l
 
 
 def report_drops(run_dir: Path, *drops) -> None:
-    """Say on stderr and in data_report.json which rows were left out and why."""
+    """Say on stderr and in data_report.json which rows were left out and why (rank 0)."""
+    if not distributed.is_main():
+        return
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / "data_report.json").write_text(json.dumps(
         [{"source": d.where, "used": used, "left_out": dict(d.counts),

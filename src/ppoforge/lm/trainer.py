@@ -16,7 +16,11 @@ times in a row, the advantages come from the whole rollout's groups before the m
 value head exists and no value loss is computed; the KL can sit in the loss (`kl_in: loss`, GRPO's),
 the loss can be aggregated per sequence (`loss_agg`, `core/accumulation.py`) and the clip can be
 asymmetric (`clip_high`, DAPO's). `kl_coef: 0` skips the reference pass.
-Left out: reward-model training, multi-process training, value-head warm-up, per-token entropy
+Under torchrun (`runtime/distributed.py`) each rank samples and scores its contiguous slice of the
+global batch's prompts (whole groups) with its slice of the globally drawn uniforms, takes each
+mini-batch's rows it owns from one global permutation, and all-reduces the gradients once per optimizer
+step: any world size trains the single-process run's numbers.
+Left out: reward-model training, value-head warm-up, per-token entropy
 regularization beyond `ent_coef`, DAPO's dynamic sampling and overlong shaping.
 """
 
@@ -42,9 +46,10 @@ from ppoforge.lm.rollout import ESTIMATORS, Rollout, left_pad, non_score_rewards
 from ppoforge.lm.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
 from ppoforge.lm.scoring import RolloutScoring
 from ppoforge.lm.setup import Components, build_components
-from ppoforge.runtime import trust
+from ppoforge.runtime import distributed, trust
 from ppoforge.runtime.checkpoint import load_checkpoint, resume_from, rng_state, seed_everything, set_rng_state
-from ppoforge.runtime.metrics import MetricsLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.device import resolve_device
+from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.oom import halve, is_oom
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
@@ -83,9 +88,17 @@ class RLHFTrainer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         seed_everything(cfg.seed)
+        self.world = distributed.init(cfg.dist_timeout, resolve_device(cfg.device))
+        self.run_dir = Path(distributed.rank0_value(str(self.run_dir)))
+        # this rank's prompts of each global batch; its rows (and uniforms' columns) of each rollout
+        self.shard = distributed.shard(cfg.batch_size, "batch_size")
+        g = cfg.num_generations
+        self.rows = slice(self.shard.start * g, self.shard.stop * g)
         self.parts: Components = build_components(cfg, reward_fn)
         self.layout, self.tokenizer, self.precision = self.parts.layout, self.parts.tokenizer, self.parts.precision
         self.params = [p for _, p in self.layout.named_trainable()]
+        distributed.broadcast_params(self.params)
+        distributed.reseed(cfg.seed)
         # fused: one kernel for all tensors (~6x faster than the default on CPU for LoRA's many small ones)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
@@ -137,7 +150,8 @@ class RLHFTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"])  # rank 0's: the other ranks reseed theirs (the shared generator resumes)
+        distributed.reseed(self.cfg.seed + 1_000_003 * state["update"])
         self.gen.set_state(state["generator"])
         self.update, self.cursor = state["update"], state["cursor"]
         self.guard.load_state_dict(state.get("guard", {}))
@@ -146,11 +160,13 @@ class RLHFTrainer:
     def rollback(self) -> None:
         """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        distributed.barrier()  # rank 0's checkpoint is on disk
         self.load(load_checkpoint(self.run_dir / CHECKPOINT, map_location="cpu"))
         self.guard.counts.update(counts)
         self.lr_scale = scale
         for name in ("metrics.jsonl", "completions.jsonl"):  # the steps after it are run again
-            truncate_metrics(self.run_dir / name, self.update)
+            if self.world.is_main:
+                truncate_metrics(self.run_dir / name, self.update)
 
     # ---- data ---------------------------------------------------------------------------------------
     def next_prompts(self) -> list[int]:
@@ -164,13 +180,15 @@ class RLHFTrainer:
         return out
 
     # ---- rollout ------------------------------------------------------------------------------------
-    def generate(self, token_rows: list[list[int]], generator: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor, Samples]:
+    def generate(self, token_rows: list[list[int]], generator: torch.Generator, n_global: int | None = None,
+                 cols: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, Samples]:
         """Left-pad the prompts and sample, `gen_batch` rows at a time (halved on out-of-memory; each row
         draws its own pre-drawn uniforms, so the split changes no draw); returns (prompt + response ids,
-        prompt mask, samples)."""
+        prompt mask, samples). Under torchrun the rows are columns `cols` of a global batch of `n_global`:
+        every rank draws the global batch's uniforms and samples with its columns (the world size changes
+        no draw), and no collective runs while decoding."""
         prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.parts.device)
-        uniforms = draw_uniforms(self.sampling, prompt_ids.shape[0], generator)
+        uniforms = draw_uniforms(self.sampling, n_global or prompt_ids.shape[0], generator)[:, cols]
         while True:
             try:
                 with self.layout.decoder() as decoder, self.precision.autocast():
@@ -186,19 +204,33 @@ class RLHFTrainer:
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
     def sample_batch(self, rows: list[dict], token_rows: list[list[int]], seeds: list[int] | None,
-                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Samples, list[str], torch.Tensor]:
-        """One batch's (prompt + response ids, prompt mask, samples, texts, scores): prompts sampled and
-        scored by the reward, or with an env, episodes played (`seeds`: each row's environment seed) and
-        scored by their environments (the final score; turn rewards are in the samples)."""
+                     generator: torch.Generator, n_global: int | None = None, cols: slice = slice(None)
+                     ) -> tuple[torch.Tensor, torch.Tensor, Samples, list[str]]:
+        """One batch's (prompt + response ids, prompt mask, samples, texts): the prompts sampled, or with an
+        env, episodes played (`seeds`: each row's environment seed) — columns `cols` of a global batch of
+        `n_global` under torchrun (see `generate`). Under torchrun an environment that raises on one rank
+        stops every rank (`distributed.checked`)."""
         if self.episodes is None:
-            ids, prompt_mask, samples = self.generate(token_rows, generator)
-            texts = self.completions(samples)
-            return ids, prompt_mask, samples, texts, self.score(rows, texts, samples)
-        with self.layout.decoder() as decoder, self.precision.autocast():
-            prompt_ids, prompt_mask, episodes = self.episodes.play(decoder, rows, seeds, generator, self.sampling,
-                                                                   self.parts.device)
-        ids = torch.cat([prompt_ids, episodes.response_ids], 1)
-        return ids, prompt_mask, episodes, episodes.transcripts, episodes.scores
+            ids, prompt_mask, samples = self.generate(token_rows, generator, n_global, cols)
+            return ids, prompt_mask, samples, self.completions(samples)
+        uniforms = self.draw_uniforms(n_global or len(rows), generator)[:, cols]
+
+        def play():
+            with self.layout.decoder() as decoder, self.precision.autocast():
+                return self.episodes.play(decoder, rows, seeds, uniforms, self.sampling, self.parts.device)
+
+        prompt_ids, prompt_mask, episodes = distributed.checked(play)
+        return torch.cat([prompt_ids, episodes.response_ids], 1), prompt_mask, episodes, episodes.transcripts
+
+    def draw_uniforms(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """The sampling uniforms of a batch of n rows (an episode's: one per turn, step and row)."""
+        if self.episodes is None:
+            return draw_uniforms(self.sampling, n, generator)
+        return self.episodes.uniforms(n, generator, self.sampling)
+
+    def batch_scores(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
+        """(B,) the reward's scores of the texts, or the environments' final scores of episodes."""
+        return samples.scores if isinstance(samples, Episodes) else self.score(rows, texts, samples)
 
     def prompt_texts(self, rows: list[dict], samples: Samples) -> list[str]:
         """The table's prompt column: the prompt field, or an episode's first message(s)."""
@@ -247,9 +279,11 @@ class RLHFTrainer:
         cfg, keys = self.cfg, self.loss_keys + self.token_keys
         totals, n_mini = torch.zeros(1 + len(keys), device=b.resp.device), 0
         for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(b.resp.shape[0], generator=self.gen, device=self.gen.device).to(b.resp.device)
+            order = torch.randperm(cfg.rollout_size, generator=self.gen, device=self.gen.device).to(b.resp.device)
             for mb in order.split(cfg.mini_batch_size):
+                mb = self._own_rows(mb)
                 sums = self._mini_batch_gradients(b, mb)  # (total loss, *stats in `keys` order)
+                sums = distributed.all_reduce_grads(self.params, sums)  # one all-reduce per step
                 norm = self.precision.clip(self.optimizer, self.params, cfg.max_grad_norm)
                 ok = self.guard.step_ok(sums[0], norm, self.precision.scaler is not None)
                 self.optimizing = True
@@ -258,14 +292,25 @@ class RLHFTrainer:
                 n_mini += ok
         return dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
 
+    def _own_rows(self, mb: torch.Tensor) -> torch.Tensor:
+        """The rows of global mini-batch `mb` this rank holds, as indices into its rollout (any number,
+        none included: the gradient all-reduce and the global unit count make the step the global one)."""
+        if self.world.size == 1:
+            return mb
+        return mb[(mb >= self.rows.start) & (mb < self.rows.stop)] - self.rows.start
+
     def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor) -> torch.Tensor:
         """The mini-batch's gradients in .grad, accumulated over micro-batches of `micro_batch` rows (halved
         and redone on out-of-memory: the shares keep the sum the same); its weighted loss and stats. The
         loss's normalizer (the mini-batch's tokens or sequences, `loss_agg`) is counted once, here."""
         mb_mask = b.resp_mask[mb]
         mb_units, mb_tokens = self.agg.units(mb_mask), mb_mask.sum()
+        if self.world.size > 1:  # all ranks' units, before any backward: the single-process loss weights
+            mb_units, mb_tokens = distributed.all_sum(torch.stack([mb_units, mb_tokens]))
         while True:
             self.optimizer.zero_grad(set_to_none=True)
+            if mb.numel() == 0:  # this rank holds none of the mini-batch's rows: its gradient is 0
+                return b.resp_mask.new_zeros(1 + len(self.loss_keys) + len(self.token_keys))
             try:
                 with self.precision.weight_cache():
                     return sum(self._micro_batch(b, micro, mb_units, mb_tokens) for micro in mb.split(self.micro_batch))
@@ -314,20 +359,24 @@ class RLHFTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # 1. prompts -> responses (eval mode, no grad, KV cache); each prompt num_generations times in a row
-        #    (with an env: episodes played, the G of a prompt with one environment seed)
+        #    (with an env: episodes played, a prompt's G with one environment seed). Under torchrun each rank
+        #    takes its slice of the global batch's prompts, seeds and uniforms: every draw is the global one
         prompts = self.next_prompts()
-        idx = [i for i in prompts for _ in range(cfg.num_generations)]
-        rows = [self.parts.rows[i] for i in idx]
         seeds = None
         if self.episodes is not None:
             draws = torch.randint(2**62, (len(prompts),), generator=self.gen, device=self.gen.device).tolist()
-            seeds = [s for s in draws for _ in range(cfg.num_generations)]
-        # 2. score: reward on the decoded text (or the environments' scores); then the reference
-        #    log-probs (and what the sampler lacks) in a pass
-        ids, prompt_mask, samples, texts, raw_scores = self.sample_batch(
-            rows, [self.parts.prompt_ids[i] for i in idx], seeds, self.gen)
+            seeds = [s for s in draws[self.shard] for _ in range(cfg.num_generations)]
+        idx = [i for i in prompts[self.shard] for _ in range(cfg.num_generations)]
+        rows = [self.parts.rows[i] for i in idx]
+        ids, prompt_mask, samples, texts = self.sample_batch(rows, [self.parts.prompt_ids[i] for i in idx], seeds,
+                                                             self.gen, cfg.rollout_size, self.rows)
         gen_s = time.perf_counter() - start
-        finite, scores = self.guard.rewards_ok(raw_scores, cfg.reward_clip)
+        # 2. score: reward on the decoded text (an env: its scores); reference log-probs (and what the sampler
+        #    lacks) in a pass. Under torchrun: a rank whose reward raised stops every rank (`checked`); the
+        #    guard sees all scores
+        scores = distributed.all_gather(distributed.checked(self.batch_scores, rows, texts, samples))
+        finite, scores = self.guard.rewards_ok(scores, cfg.reward_clip)
+        scores = scores[self.rows] if self.world.size > 1 else scores
         mask = torch.cat([prompt_mask.float(), samples.attended], 1)
         b = self.logprobs_and_values(ids, mask, samples, scores).detached()
         # 3. advantages over the whole rollout, before PPO shuffles it: per-token rewards (-beta * KL with
@@ -340,23 +389,25 @@ class RLHFTrainer:
         keys = self.loss_keys + self.token_keys
         stats = self.ppo_update(b) if finite else dict.fromkeys(keys, torch.tensor(float("nan")))
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
-        seq_kl = kl.sum(1).mean()
+        seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
         self.update += 1
         objective = rollout_metrics(b, samples.finished, kl, non_score, cfg.num_generations)
-        metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         if isinstance(samples, Episodes):
-            metrics |= episode_metrics(samples)
+            objective |= {k: torch.tensor(v) for k, v in episode_metrics(samples).items()}
+        objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
+        metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
         metrics.update({**self.guard.counts, "guard/micro_batch_size": self.micro_batch,
                         "guard/generation_batch_size": self.gen_batch,
                         "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
                         "perf/samples_per_s": n / elapsed,
                         "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
-                        "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed})
+                        "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed,
+                        "perf/world_size": self.world.size, "perf/rank_rollout": len(idx)})
         returns = b.scores if b.turn_rewards is None else b.scores + b.turn_rewards.sum(1)
-        table = [{"prompt": p, "completion": t, "score": s}
-                 for p, t, s in zip(self.prompt_texts(rows, samples), texts, returns.tolist(), strict=True)]
+        table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
+                                         zip(self.prompt_texts(rows, samples), texts, returns.tolist(), strict=True)])
         return metrics, table
 
     # ---- held-out evaluation and the run loop -------------------------------------------------------
@@ -366,33 +417,41 @@ class RLHFTrainer:
         if not self.parts.heldout_rows:
             return None
         gen = torch.Generator(self.parts.device).manual_seed(self.cfg.seed + 1)
-        # with an env, held-out prompt i always plays environment seed (seed, i): the same episodes each time
-        env_seed = lambda i: int(np.random.default_rng([self.cfg.seed, 1, i]).integers(2**62))  # noqa: E731
         k, bs = self.cfg.heldout_samples, self.cfg.batch_size
         # each prompt k times in a row: (prompt, sample) pairs, batched like training rollouts
         pairs = [(i, j) for i in range(len(self.parts.heldout_rows)) for j in range(k)]
         table = []
         for s in range(0, len(pairs), bs):
-            batch = pairs[s:s + bs]
-            rows = [self.parts.heldout_rows[i] for i, _ in batch]
-            _, _, samples, texts, scores = self.sample_batch(rows, [self.parts.heldout_ids[i] for i, _ in batch],
-                                                             [env_seed(i) for i, _ in batch], gen)
-            if isinstance(samples, Episodes):
-                scores = samples.returns()
-            table += [{"prompt": p, "sample": j, "completion": t, "score": x}
-                      for p, (_, j), t, x in zip(self.prompt_texts(rows, samples), batch, texts, scores.tolist(),
-                                                 strict=True)]
+            table += distributed.checked(self._heldout_batch, pairs[s:s + bs], gen)
+        table = distributed.gather_rows(table)
         return sum(r["score"] for r in table) / len(table), table
 
+    def _heldout_batch(self, pairs: list[tuple[int, int]], gen: torch.Generator) -> list[dict]:
+        """This rank's part of one held-out batch of (prompt, sample) pairs, sampled and scored."""
+        cols = distributed.uneven_shard(len(pairs))
+        batch = pairs[cols]
+        if not batch:  # more ranks than pairs: draw what the others draw, sample nothing
+            self.draw_uniforms(len(pairs), gen)
+            return []
+        rows = [self.parts.heldout_rows[i] for i, _ in batch]
+        # with an env, held-out prompt i always plays environment seed (seed, i): the same games each time
+        seeds = [int(np.random.default_rng([self.cfg.seed, 1, i]).integers(2**62)) for i, _ in batch]
+        _, _, samples, texts = self.sample_batch(rows, [self.parts.heldout_ids[i] for i, _ in batch], seeds, gen,
+                                                 len(pairs), cols)
+        scores = samples.returns() if isinstance(samples, Episodes) else self.score(rows, texts, samples)
+        return [{"prompt": p, "sample": j, "completion": t, "score": x} for p, (_, j), t, x in
+                zip(self.prompt_texts(rows, samples), batch, texts, scores.tolist(), strict=True)]
+
     def run(self) -> TrainResult:
-        cfg = self.cfg
-        save_config(cfg, self.run_dir / "config.yaml")
-        if self.update == 0:
-            trust.record(self.run_dir, cfg)
-        for name in ("metrics.jsonl", "completions.jsonl"):
-            truncate_metrics(self.run_dir / name, self.update)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard)
-        progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress, unit="update")
+        cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
+        if main:
+            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.batch_size, "prompts"))
+            if self.update == 0:
+                trust.record(self.run_dir, cfg)
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                truncate_metrics(self.run_dir / name, self.update)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
+        progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress and main, unit="update")
         last: dict = {}
 
         def after_update(result) -> None:
@@ -411,13 +470,15 @@ class RLHFTrainer:
             stopped = train_loop(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every, after_update)
             if self.update == cfg.total_updates and not stopped:
                 self._log_heldout(logger)
-                self.layout.export(self.run_dir / "policy")
-                self.tokenizer.save_pretrained(self.run_dir / "policy")
+                if main:
+                    self.layout.export(self.run_dir / "policy")
+                    self.tokenizer.save_pretrained(self.run_dir / "policy")
         finally:
             progress.close()
             logger.close()
-        plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
-                    "eval/scores"], self.run_dir / "reward_kl.png", title=f"PPO {cfg.layout}: {cfg.model}")
+        if main:
+            plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
+                        "eval/scores"], self.run_dir / "reward_kl.png", title=f"PPO {cfg.layout}: {cfg.model}")
         return TrainResult(self.run_dir, self.update, self.update * cfg.rollout_size, last, stopped)
 
     def _log_heldout(self, logger: MetricsLogger) -> None:
@@ -427,6 +488,8 @@ class RLHFTrainer:
             self._log_table(logger, "heldout", result[1])
 
     def _log_table(self, logger: MetricsLogger, split: str, table: list[dict]) -> None:
+        if not self.world.is_main:
+            return
         with (self.run_dir / "completions.jsonl").open("a") as f:
             for row in table:
                 f.write(json.dumps({"step": self.update, "split": split, **row}) + "\n")

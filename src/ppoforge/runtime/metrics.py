@@ -52,6 +52,19 @@ class MetricsLogger:
             self._tb.close()
 
 
+class NullLogger:
+    """The logger of a rank that writes nothing (under torchrun rank 0 alone writes the run dir)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_text(self, step: int, tag: str, markdown: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop lines logged after `last_step` (they belong to updates a resume will redo)."""
     path = Path(path)

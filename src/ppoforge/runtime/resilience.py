@@ -25,6 +25,7 @@ import torch
 
 from ppoforge.config import param
 from ppoforge.errors import Fault
+from ppoforge.runtime import distributed
 from ppoforge.runtime.checkpoint import save_checkpoint
 from ppoforge.runtime.timeouts import StopRequested
 
@@ -46,6 +47,9 @@ class FaultConfig:
     call_timeout: float = param(600.0, "seconds one call into user code (a reward function, an environment "
                                 "step) may take; then the run checkpoints and stops (exit 1)", gt=0, hi=1e6,
                                 resume=True)
+    dist_timeout: float = param(600.0, "under torchrun: seconds a collective waits for the other ranks (one that "
+                                "hung or died); then every rank stops with one line naming the cause (exit 1)",
+                                gt=0, hi=1e6, resume=True)
 
 
 def _clone(value):
@@ -136,7 +140,8 @@ class RunGuard:
 
     def save(self, state: dict | None = None) -> None:
         state = self.trainer.state_dict() if state is None else state
-        save_checkpoint(self.path, state)
+        if distributed.is_main():  # the replicated state: rank 0 writes it (runtime/distributed.py)
+            save_checkpoint(self.path, state)
         self.saved_update = state["update"]
 
     @contextlib.contextmanager
@@ -178,18 +183,22 @@ def train_loop(trainer, guard: RunGuard, total: int, checkpoint_every: int, afte
     """Run `trainer.train_one_update()` until `trainer.update == total` or a stop signal; returns the
     signal's name, or None. Each update — its logging (`after_update(result)`) and checkpoint included —
     runs inside `guard.update()`, so a failure anywhere in it leaves the last completed update on disk.
-    A `Rollback` from the non-finite guard calls `trainer.rollback()` and goes on."""
+    A `Rollback` from the non-finite guard calls `trainer.rollback()` and goes on. Under torchrun the
+    ranks agree on a stop after each update (one that reached one rank first stops them all there)."""
     from ppoforge.runtime.signals import StopFlag
 
     with StopFlag() as stop:
-        while trainer.update < total and not stop:
+        stopping = False
+        while trainer.update < total and not stopping:
             try:
                 with guard.update():
                     after_update(trainer.train_one_update())
-                    if trainer.update % checkpoint_every == 0 or trainer.update == total or stop:
+                    stopping = distributed.any_true(bool(stop))
+                    if trainer.update % checkpoint_every == 0 or trainer.update == total or stopping:
                         guard.save()
             except Rollback:
                 trainer.rollback()
-            except StopRequested:  # a stop inside a user call: the last completed update is saved
+            except StopRequested as e:  # a stop inside a user call: the last completed update is saved
+                stop.signal_name = stop.signal_name or e.signal_name
                 break
     return stop.signal_name

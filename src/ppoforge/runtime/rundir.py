@@ -59,7 +59,10 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def prepare_new_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse a run dir that holds a run, unless `overwrite` (then remove what an earlier run wrote)."""
+    """Refuse a run dir that holds a run, unless `overwrite` (then remove what an earlier run wrote).
+    Under torchrun rank 0 alone checks (the others would race with its first writes)."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return
     run_dir = Path(run_dir)
     present = [name for name in RUN_FILES if (run_dir / name).exists()]
     if not present:

@@ -1,0 +1,72 @@
+"""Weak scaling of LM PPO under torchrun on CPU: 2 processes x 1 thread (global batch 2B) vs 1 process
+x 1 thread (batch B), on the tiny random Qwen2 of `lm/tiny.py`. Efficiency = (per-update time of 1
+process) / (per-update time of 2 processes): 1.0 is perfect, each process doing the same work as the
+lone one; below it, the gradient all-reduce, the other collectives and the slowest rank's wait.
+
+Per-update time = the median `perf/update_s` (rank 0's wall seconds of the whole update: sampling,
+scoring, advantages, optimization, metrics) over the updates after the first (warm-up). Both runs go
+through the CLI (`ppoforge train rlhf`), the 2-process one through `python -m torch.distributed.run`.
+It needs 2 idle cores: on a shared machine the number mostly measures the neighbours — the script
+prints `uptime` before and after, report it alongside.
+
+    python benchmarks/ddp_weak_scaling.py --updates 8 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ppoforge.lm.tiny import save_tiny_lm
+from ppoforge.runtime.launch import torchrun
+from ppoforge.runtime.metrics import read_metrics
+
+PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "describe the city at night",
+           "a review of a good movie", "tell me about your friend", "the weather today is",
+           "write about the sun", "describe my morning"]
+
+
+def _args(model: Path, prompts: Path, run_dir: Path, batch: int, updates: int) -> list[str]:
+    return ["train", "rlhf", "--run-dir", str(run_dir), "--model", str(model), "--prompts", str(prompts),
+            "--heldout-prompts", "none", "--reward", "length:8", "--batch-size", str(batch),
+            "--mini-batch-size", str(batch), "--micro-batch-size", str(batch), "--ppo-epochs", "2",
+            "--max-new-tokens", "16", "--max-prompt-tokens", "16", "--total-updates", str(updates),
+            "--torch-threads", "1", "--device", "cpu", "--progress", "false", "--tensorboard", "false",
+            "--checkpoint-every", "100000"]
+
+
+def _update_s(run_dir: Path) -> float:
+    times = [r["perf/update_s"] for r in read_metrics(run_dir / "metrics.jsonl")][1:]
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--updates", type=int, default=8, help="PPO updates per run (the first is warm-up)")
+    parser.add_argument("--batch", type=int, default=8, help="prompts per process and update (B)")
+    args = parser.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = save_tiny_lm(tmp / "model", hidden=64, layers=2)
+        prompts = tmp / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+        one = [sys.executable, "-m", "ppoforge", *_args(model, prompts, tmp / "one", args.batch, args.updates)]
+        two = torchrun(_args(model, prompts, tmp / "two", 2 * args.batch, args.updates), 2)
+        for cmd in (one, two):
+            subprocess.run(cmd, check=True, env=env, capture_output=True)
+        t1, t2 = _update_s(tmp / "one"), _update_s(tmp / "two")
+    print("uptime after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print(json.dumps({"batch_per_process": args.batch, "updates": args.updates, "one_process_update_s": t1,
+                      "two_processes_update_s": t2, "weak_scaling_efficiency": t1 / t2}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

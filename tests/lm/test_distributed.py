@@ -1,0 +1,244 @@
+"""LM PPO and GRPO under torchrun (gloo, 2 CPU processes): the same parameters as one process with the
+same global batch, rank-0-only run-dir writes, resume on another world size, and one rank's failure as
+one line on all. Tolerance: fp32, 1e-6 absolute (the only difference is float summation order: each
+rank's forward runs half the rows, and the gradients are summed over ranks)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppoforge
+from ppoforge.cli import main
+from ppoforge.runtime.launch import free_port, torchrun
+from ppoforge.runtime.metrics import read_metrics
+
+PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "describe the city at night",
+           "a review of a good movie", "tell me about your friend", "the weather today is",
+           "write about the sun", "describe my morning"]
+SRC = str(Path(ppoforge.__file__).parents[1])
+ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def _args(model, prompts, run_dir, **overrides):
+    values = dict(model=model, prompts=prompts, heldout_prompts="none", max_prompt_tokens=16, max_new_tokens=6,
+                  batch_size=4, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2, total_updates=1,
+                  learning_rate=1e-2, device="cpu", seed=0, torch_threads=1, progress="false",
+                  tensorboard="false", reward="length:4", max_grad_norm=1e6, dist_timeout=60,
+                  stop_tokens=",".join(map(str, range(10, 60))))  # ragged responses
+    values.update(overrides)
+    out = ["train", "rlhf", "--run-dir", str(run_dir)] if run_dir else ["train", "rlhf"]
+    for k, v in values.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def launch(args, nproc=2, timeout=240, extra_path=(), **kwargs):
+    """torchrun --standalone in its own session: on a timeout the launcher and its workers are killed
+    together (no orphaned rank keeps loading the machine) and the test fails with their output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, *map(str, extra_path)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.Popen(torchrun(args, nproc, **kwargs), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun still running after {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _trainable(run_dir):
+    return torch.load(Path(run_dir) / "checkpoint.pt", weights_only=True)["trainable"]
+
+
+def _assert_same_params(a, b, atol=ATOL):
+    assert a.keys() == b.keys() and len(a) > 0
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"max |2 ranks - 1 rank| = {worst:.3g}")  # the values seen: docs/distributed.md
+    assert worst <= atol, f"max |2 ranks - 1 rank| = {worst:.3g}"
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    dict(layout="lora"),
+    dict(layout="full", learning_rate=1e-3),
+    dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3",
+         ppo_epochs=1, mini_batch_size=4, micro_batch_size=1, loss_agg="seq_mean_token_mean"),
+], ids=["ppo-lora", "ppo-full", "grpo"])
+def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, overrides):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_args(tiny_lm_dir, prompts_file, one, **overrides)) == 0
+    run = launch(_args(tiny_lm_dir, prompts_file, two, **overrides))
+    assert run.returncode == 0, run.stderr[-3000:]
+    _assert_same_params(_trainable(one), _trainable(two))
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert len(m1) == len(m2) == 1 and m2[0]["perf/world_size"] == 2 and m2[0]["perf/rank_rollout"] == 2
+    for key, value in _strip(m1)[0].items():  # global metrics: all-reduced, equal to the single-process ones
+        assert m2[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert (two / "config.yaml").read_text().startswith("# world_size: 2, per-rank batch: ")
+    rows = [json.loads(line) for line in (two / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4  # every rank's completions, written once by rank 0
+
+
+def test_batch_that_does_not_divide_by_the_ranks_is_one_line_exit_2(tiny_lm_dir, prompts_file, tmp_path):
+    run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", batch_size=3, mini_batch_size=3))
+    assert run.returncode != 0
+    assert "batch_size: 3 does not divide by the 2 ranks" in run.stderr
+
+
+@pytest.mark.slow
+def test_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path):
+    """Checkpoints written by 2 ranks continue on 1 and the other way round, and both equal a run that
+    never stopped: the shared generator and the global data cursor are in rank 0's checkpoint."""
+    straight = tmp_path / "straight"
+    common = dict(anneal_lr="false", ppo_epochs=1)  # annealing follows total_updates, which the resumes raise
+    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **common)) == 0
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert launch(_args(tiny_lm_dir, prompts_file, a, total_updates=2, **common)).returncode == 0
+    assert main(["train", "rlhf", "--resume", str(a), "--total-updates", "3"]) == 0
+    assert main(_args(tiny_lm_dir, prompts_file, b, total_updates=2, **common)) == 0
+    run = launch(["train", "rlhf", "--resume", str(b), "--total-updates", "3"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    for resumed in (a, b):
+        rows = read_metrics(resumed / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert torch.load(resumed / "checkpoint.pt", weights_only=True)["cursor"] == 3 * 4
+        _assert_same_params(_trainable(straight), _trainable(resumed))
+
+
+RAISING = textwrap.dedent("""
+    import os, time
+
+    def raise_on_rank1(prompts, completions, **kwargs):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("boom on purpose")
+        return [1.0] * len(completions)
+
+    def hang_on_rank1(prompts, completions, **kwargs):
+        if os.environ.get("RANK") == "1":
+            time.sleep(600)
+        return [1.0] * len(completions)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_one_rank_failing_stops_all_with_one_line(tiny_lm_dir, prompts_file, tmp_path, how):
+    (tmp_path / "ddp_rewards.py").write_text(RAISING)
+    fn = "raise_on_rank1" if how == "raises" else "hang_on_rank1"
+    args = _args(tiny_lm_dir, prompts_file, tmp_path / "r", reward=f"py:ddp_rewards:{fn}", total_updates=2,
+                 dist_timeout=8, call_timeout=600)
+    run = launch(args, timeout=120, extra_path=[tmp_path])
+    lines = [line for line in run.stderr.splitlines() if line.startswith("ppoforge: error:")]
+    assert run.returncode != 0
+    if how == "raises":
+        assert len(lines) == 1, run.stderr[-3000:]  # rank 0's; rank 1 leaves the line to it
+        assert lines[0].startswith("ppoforge: error: rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError: "
+                                   "boom on purpose; checkpoint at update 0: continue with "), lines
+    else:
+        assert lines and lines[0].startswith("ppoforge: error: rank 0: a collective did not complete within 8 s "
+                                             "(dist_timeout)"), run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_match_one_node(tiny_lm_dir, prompts_file, tmp_path):
+    """Two `torchrun --nnodes 2 --node-rank {0,1}` launches of one process each, over a c10d rendezvous
+    on 127.0.0.1, train together and match the single-process run."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_args(tiny_lm_dir, prompts_file, one)) == 0
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    nodes = [subprocess.Popen(torchrun(_args(tiny_lm_dir, prompts_file, two), 1, 0, nnodes=2, node_rank=r,
+                                       rdzv_endpoint=endpoint), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), outs[0][1][-2000:] + outs[1][1][-2000:]
+    _assert_same_params(_trainable(one), _trainable(two))
+
+
+def test_world_one_writes_no_torchrun_note(tiny_lm_dir, prompts_file, tmp_path):
+    assert main(_args(tiny_lm_dir, prompts_file, tmp_path / "r", total_updates=1, ppo_epochs=1)) == 0
+    assert (tmp_path / "r" / "config.yaml").read_text().startswith("# world_size: 1")
+    assert sys.modules["ppoforge.runtime.distributed"].world().size == 1
+
+
+TOPICS = ["the movie", "the coffee", "the weather", "the city", "my morning", "the book"]
+GOOD, BAD = ["great", "wonderful", "happy", "love"], ["terrible", "awful", "sad", "hate"]
+
+
+def _supervised_args(kind, model, tmp_path, run_dir):
+    data = tmp_path / f"{kind}.jsonl"
+    if kind == "sft":
+        rows = [{"prompt": f"tell me about {t}", "completion": f"{t} is {w} and {t} is {w}"}
+                for t in TOPICS for w in GOOD[:2]]
+    else:
+        rows = [{"prompt": f"tell me about {t}", "chosen": f"it is {g}", "rejected": f"it is {b}"}
+                for t in TOPICS for g, b in zip(GOOD[:2], BAD[:2], strict=True)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["train", kind, "--run-dir", str(run_dir), "--model", str(model), "--data", str(data), "--lora-r", "4",
+            "--max-length", "64", "--batch-size", "4", "--micro-batch-size", "1", "--epochs", "1",
+            "--eval-fraction", "0.25", "--eval-every", "100", "--learning-rate", "1e-2", "--device", "cpu",
+            "--torch-threads", "1", "--progress", "false", "--tensorboard", "false", "--dist-timeout", "60",
+            *(["--sample-prompts", "0"] if kind == "sft" else [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sft", "reward"])
+def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path):
+    """12 rows: 9 train (batches of 4, 4, 1: the last leaves rank 1 nothing), 3 held out."""
+    model = tiny_lm_dir if kind == "sft" else tiny_reward_model_dir
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_supervised_args(kind, model, tmp_path, one)) == 0
+    run = launch(_supervised_args(kind, model, tmp_path, two))
+    assert run.returncode == 0, run.stderr[-3000:]
+    # 3 AdamW steps at lr 1e-2: Adam's first steps are ~lr * sign(g), so a float-order difference in a
+    # near-zero gradient component moves its weight by up to ~1e-6 a step (seen: 1.7e-6 for reward)
+    _assert_same_params(_trainable(one), _trainable(two), atol=1e-5)
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1, 2, 3]
+    for a, b in zip(m1, m2, strict=True):
+        for key, value in _strip([a])[0].items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert (two / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree to stop after the update under way, rank 0
+    writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it."""
+    import time
+
+    run_dir = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = subprocess.Popen(torchrun(_args(tiny_lm_dir, prompts_file, run_dir, total_updates=500,
+                                               ppo_epochs=1, checkpoint_every=1000), 2),
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.5)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+    assert out.count("stopped by SIGTERM, checkpoint saved") == 1, out + err[-3000:]
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert saved["update"] == read_metrics(metrics)[-1]["step"] >= 2
+    assert not list(run_dir.glob(".checkpoint.pt.*.tmp"))  # no write left half done
