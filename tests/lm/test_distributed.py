@@ -83,7 +83,10 @@ def _strip(rows):
     dict(layout="full", learning_rate=1e-3),
     dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3",
          ppo_epochs=1, mini_batch_size=4, micro_batch_size=1, loss_agg="seq_mean_token_mean"),
-], ids=["ppo-lora", "ppo-full", "grpo"])
+    dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_coef=0, ppo_epochs=1,
+         mini_batch_size=4, micro_batch_size=1, env="guess_number?hi=4", reward="env", max_turns=2,
+         max_env_tokens=24),
+], ids=["ppo-lora", "ppo-full", "grpo", "grpo-episodes"])
 def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, overrides):
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(_args(tiny_lm_dir, prompts_file, one, **overrides)) == 0
