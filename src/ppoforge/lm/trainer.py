@@ -478,7 +478,7 @@ class RLHFTrainer:
             logger.close()
         if main:
             plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
-                        "eval/scores"], self.run_dir / "reward_kl.png", title=f"PPO {cfg.layout}: {cfg.model}")
+                        "eval/scores"], self.run_dir / "reward_kl.png", title=f"{curve_title(cfg)}: {cfg.model}")
         return TrainResult(self.run_dir, self.update, self.update * cfg.rollout_size, last, stopped)
 
     def _log_heldout(self, logger: MetricsLogger) -> None:
@@ -497,6 +497,12 @@ class RLHFTrainer:
         lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['score']:.3f} |"
                   for r in table[:TABLE_ROWS]]
         logger.log_text(self.update, f"completions/{split}", "\n".join(lines))
+
+
+def curve_title(cfg: RLHFConfig) -> str:
+    """e.g. "PPO lora" or "GRPO lora, guess_number?hi=8 episodes"."""
+    title = f"{'PPO' if cfg.advantage == 'gae' else cfg.advantage.upper()} {cfg.layout}"
+    return f"{title}, {cfg.env} episodes" if cfg.env else title
 
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
