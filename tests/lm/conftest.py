@@ -15,6 +15,7 @@ so even a random policy emits text a sentiment reward can tell apart.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -144,3 +145,11 @@ def smollm2_cache(tmp_path_factory):
         smollm2.ensure_cached()
     return root
 
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory, request):
+    """The test module's PROMPTS as a prompts .jsonl file ({"prompt": ...} per line)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in request.module.PROMPTS))
+    return path

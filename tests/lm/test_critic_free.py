@@ -3,7 +3,6 @@ train end to end in lora and full layouts without any critic, `kl_coef: 0` runs 
 statistics see whole groups before the mini-batch shuffle, every `loss_agg` is accumulation-invariant,
 bad combinations are one line, and the presets run."""
 
-import json
 import math
 
 import pytest
@@ -28,13 +27,6 @@ GRPO_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "clip_ratio/regi
 def index_reward(prompts, completions, **kwargs):
     """Row i scores i: distinct within every group, so every group has a signal."""
     return [float(i) for i in range(len(completions))]
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return path
 
 
 @pytest.fixture

@@ -26,13 +26,6 @@ SRC = str(Path(ppoforge.__file__).parents[1])
 ATOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return path
-
-
 def _args(model, prompts, run_dir, **overrides):
     values = dict(model=model, prompts=prompts, heldout_prompts="none", max_prompt_tokens=16, max_new_tokens=6,
                   batch_size=4, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2, total_updates=1,

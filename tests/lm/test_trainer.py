@@ -30,13 +30,6 @@ def word_reward(prompts, completions, **kwargs):
     return [0.1 * len(c.split()) + c.count("great") for c in completions]
 
 
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return path
-
-
 @pytest.fixture
 def cfg_for(tiny_lm_dir, prompts_file):
     def make(**overrides):

@@ -49,6 +49,10 @@ class Rollout:
     adv: torch.Tensor | None = None  # (B, T) advantages: whitened GAE, or the critic-free estimator's
     ret: torch.Tensor | None = None  # (B, T) returns = GAE advantages + values (GAE only)
 
+    def returns(self) -> torch.Tensor:
+        """(B,) each response's score; a multi-turn episode's return (its turn rewards plus its score)."""
+        return self.scores if self.turn_rewards is None else self.scores + self.turn_rewards.sum(1)
+
     def step_rewards(self, non_score: torch.Tensor) -> torch.Tensor:
         """(B, T) the per-token rewards besides the final score: KL terms plus any turn rewards."""
         return non_score if self.turn_rewards is None else non_score + self.turn_rewards
@@ -109,7 +113,7 @@ def rollout_metrics(b: Rollout, finished: torch.Tensor, kl: torch.Tensor, non_sc
                     group_size: int) -> dict[str, torch.Tensor]:
     """TRL's PPO `objective/` names and its GRPO ones (`reward`, `completions/clipped_ratio`, and with
     groups `reward_std`, `frac_reward_zero_std`); no `objective/kl` without a reference pass."""
-    scores = b.scores if b.turn_rewards is None else b.scores + b.turn_rewards.sum(1)  # an episode's return
+    scores = b.returns()
     out = {"objective/entropy": -b.logp.sum(1).mean(),
            "objective/non_score_reward": non_score.sum(1).mean(),
            "objective/rlhf_reward": (scores + non_score.sum(1)).mean(),

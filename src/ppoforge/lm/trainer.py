@@ -405,9 +405,9 @@ class RLHFTrainer:
                         "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed,
                         "perf/world_size": self.world.size, "perf/rank_rollout": len(idx)})
-        returns = b.scores if b.turn_rewards is None else b.scores + b.turn_rewards.sum(1)
-        table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
-                                         zip(self.prompt_texts(rows, samples), texts, returns.tolist(), strict=True)])
+        shown = self.prompt_texts(rows, samples)
+        table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s}
+                                         for p, t, s in zip(shown, texts, b.returns().tolist(), strict=True)])
         return metrics, table
 
     # ---- held-out evaluation and the run loop -------------------------------------------------------
