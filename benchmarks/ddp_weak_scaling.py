@@ -9,7 +9,11 @@ through the CLI (`ppoforge train rlhf`), the 2-process one through `python -m to
 It needs 2 idle cores: on a shared machine the number mostly measures the neighbours — the script
 prints `uptime` before and after, report it alongside.
 
+`--fsdp` (implies `--layout full`): a third run, 2 processes with `fsdp: true` (FSDP2: weights and
+optimizer state sharded, each layer gathered for its forward and backward), beside the DDP-style one.
+
     python benchmarks/ddp_weak_scaling.py --updates 8 --batch 8
+    python benchmarks/ddp_weak_scaling.py --updates 8 --batch 8 --fsdp
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "de
            "write about the sun", "describe my morning"]
 
 
-def _args(model: Path, prompts: Path, run_dir: Path, batch: int, updates: int) -> list[str]:
+def _args(model: Path, prompts: Path, run_dir: Path, batch: int, updates: int, layout: str) -> list[str]:
     return ["train", "rlhf", "--run-dir", str(run_dir), "--model", str(model), "--prompts", str(prompts),
+            "--layout", layout, *(["--learning-rate", "1e-5"] if layout == "full" else []),
             "--heldout-prompts", "none", "--reward", "length:8", "--batch-size", str(batch),
             "--mini-batch-size", str(batch), "--micro-batch-size", str(batch), "--ppo-epochs", "2",
             "--max-new-tokens", "16", "--max-prompt-tokens", "16", "--total-updates", str(updates),
@@ -50,7 +55,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=8, help="PPO updates per run (the first is warm-up)")
     parser.add_argument("--batch", type=int, default=8, help="prompts per process and update (B)")
+    parser.add_argument("--layout", choices=("lora", "full"), default="lora")
+    parser.add_argument("--fsdp", action="store_true", help="also 2 processes with fsdp: true (full layout)")
     args = parser.parse_args()
+    layout = "full" if args.fsdp else args.layout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,14 +66,22 @@ def main() -> None:
         model = save_tiny_lm(tmp / "model", hidden=64, layers=2)
         prompts = tmp / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-        one = [sys.executable, "-m", "ppoforge", *_args(model, prompts, tmp / "one", args.batch, args.updates)]
-        two = torchrun(_args(model, prompts, tmp / "two", 2 * args.batch, args.updates), 2)
-        for cmd in (one, two):
+        runs = {"one": [sys.executable, "-m", "ppoforge",
+                        *_args(model, prompts, tmp / "one", args.batch, args.updates, layout)],
+                "two": torchrun(_args(model, prompts, tmp / "two", 2 * args.batch, args.updates, layout), 2)}
+        if args.fsdp:
+            runs["two_fsdp"] = torchrun([*_args(model, prompts, tmp / "two_fsdp", 2 * args.batch, args.updates,
+                                                layout), "--fsdp", "true"], 2)
+        for cmd in runs.values():
             subprocess.run(cmd, check=True, env=env, capture_output=True)
-        t1, t2 = _update_s(tmp / "one"), _update_s(tmp / "two")
+        t = {name: _update_s(tmp / name) for name in runs}
     print("uptime after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(json.dumps({"batch_per_process": args.batch, "updates": args.updates, "one_process_update_s": t1,
-                      "two_processes_update_s": t2, "weak_scaling_efficiency": t1 / t2}, indent=1))
+    out = {"layout": layout, "batch_per_process": args.batch, "updates": args.updates,
+           "one_process_update_s": t["one"], "two_processes_update_s": t["two"],
+           "weak_scaling_efficiency": t["one"] / t["two"]}
+    if args.fsdp:
+        out |= {"two_processes_fsdp_update_s": t["two_fsdp"], "fsdp_weak_scaling_efficiency": t["one"] / t["two_fsdp"]}
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, s
     from ppoforge.lm import trainer as rlhf
     from ppoforge.runtime import rundir, trust
 
-    resume = (stage_dir / "checkpoint.pt").is_file()
+    resume = (stage_dir / "checkpoint.pt").is_file() or (stage_dir / "checkpoint").is_dir()  # fsdp: a directory
     if resume:
         cfg = resume_config(type(cfg), read_saved_config(stage_dir / "config.yaml"), vars(cfg))
         trust.check_resume(stage_dir, cfg, trusted)

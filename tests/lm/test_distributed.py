@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ppoforge
 from ppoforge.cli import main
@@ -238,3 +239,109 @@ def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert saved["update"] == read_metrics(metrics)[-1]["step"] >= 2
     assert not list(run_dir.glob(".checkpoint.pt.*.tmp"))  # no write left half done
+
+
+# ---- FSDP2 (`fsdp: true`, the full layout): 2 sharded ranks against 1 plain process -----------------------
+
+FSDP_SKIP = None
+if not hasattr(torch.cpu.Stream, "record_event"):  # runtime/fsdp.py's cpu_unsupported_reason, without importing it
+    FSDP_SKIP = (f"FSDP2 on CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks (its "
+                 "first all-gather fails); the world-1 fsdp path runs on it")
+needs_fsdp = pytest.mark.skipif(FSDP_SKIP is not None, reason=str(FSDP_SKIP))
+FSDP = dict(layout="full", fsdp="true", learning_rate=1e-3)
+
+
+def _sharded_weights(run_dir, tmp_path) -> dict:
+    """The trained weights of a run dir's sharded checkpoint, gathered into one dict (any world size)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{Path(run_dir).name}.pt"
+    dcp_to_torch_save(Path(run_dir) / "checkpoint", out)
+    return torch.load(out, weights_only=True)["model"]
+
+
+@pytest.mark.slow
+@needs_fsdp
+@pytest.mark.parametrize("overrides", [
+    dict(),  # PPO with its critic: 2 epochs x 2 mini-batches, ragged prompts and responses across ranks
+    dict(advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3", ppo_epochs=1,
+         mini_batch_size=4, loss_agg="seq_mean_token_mean"),
+], ids=["ppo-full", "grpo-full"])
+def test_fsdp_two_ranks_equal_one_plain_rank(tiny_lm_dir, prompts_file, tmp_path, overrides):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_args(tiny_lm_dir, prompts_file, one, **FSDP, **overrides)) == 0  # world 1: not sharded
+    run = launch(_args(tiny_lm_dir, prompts_file, two, **FSDP, **overrides))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(list((two / "checkpoint").glob("*.distcp"))) == 2  # each rank wrote its shards
+    a, b = _sharded_weights(one, tmp_path), _sharded_weights(two, tmp_path)
+    initial = load_file(Path(tiny_lm_dir) / "model.safetensors")
+    assert max(float((a[f"policy.lm.{k}"] - v).abs().max()) for k, v in initial.items()) > 1e-4  # it trained
+    assert any(k.startswith("critic.") for k in a) == ("advantage" not in overrides)
+    _assert_same_params(a, b, atol=1e-5)
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    for key, value in _strip(m1)[0].items():
+        assert m2[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    # the export gathers the shards: rank 0 writes the whole policy
+    p1, p2 = load_file(one / "policy" / "model.safetensors"), load_file(two / "policy" / "model.safetensors")
+    _assert_same_params(p1, p2, atol=1e-5)
+    assert p2.keys() == p1.keys() and all(p2[k].shape == p1[k].shape for k in p1)
+
+
+@pytest.mark.slow
+@needs_fsdp
+def test_fsdp_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path):
+    """A sharded checkpoint of 2 ranks continues in one process and the other way round; both equal a
+    run that never stopped."""
+    common = dict(anneal_lr="false", ppo_epochs=1, **FSDP)
+    straight, a, b = tmp_path / "straight", tmp_path / "a", tmp_path / "b"
+    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **common)) == 0
+    run = launch(_args(tiny_lm_dir, prompts_file, a, total_updates=2, **common))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert main(["train", "rlhf", "--resume", str(a), "--total-updates", "3"]) == 0
+    assert main(_args(tiny_lm_dir, prompts_file, b, total_updates=2, **common)) == 0
+    run = launch(["train", "rlhf", "--resume", str(b), "--total-updates", "3"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    want = _sharded_weights(straight, tmp_path)
+    for resumed in (a, b):
+        assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl")] == [1, 2, 3]
+        _assert_same_params(want, _sharded_weights(resumed, tmp_path), atol=1e-5)
+
+
+def test_fsdp_at_world_one_trains_and_resumes_the_plain_full_layout(tiny_lm_dir, prompts_file, tmp_path):
+    """Without torchrun `fsdp` shards nothing: the same numbers as the plain full layout, in a sharded-format
+    checkpoint that a resume (on any world size) reads. Runs on every torch, 2.6 included."""
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    common = dict(layout="full", learning_rate=1e-3, anneal_lr="false", ppo_epochs=1)
+    assert main(_args(tiny_lm_dir, prompts_file, plain, total_updates=2, **common)) == 0
+    assert main(_args(tiny_lm_dir, prompts_file, sharded, total_updates=1, fsdp="true", **common)) == 0
+    assert (sharded / "checkpoint" / ".metadata").is_file() and not (sharded / "checkpoint.pt").exists()
+    assert main(["train", "rlhf", "--resume", str(sharded), "--total-updates", "2"]) == 0
+    want, got = _trainable(plain), _sharded_weights(sharded, tmp_path)
+    _assert_same_params({_sharded_name(k): v for k, v in want.items()}, got, atol=0)
+
+
+def _sharded_name(name: str) -> str:
+    """checkpoint.pt's name of a trained weight -> the sharded checkpoint's (lm/policy.py: Trunk, CriticTrunk)."""
+    head, rest = name.split(".", 1)
+    return {"policy": "policy.lm.", "critic": "critic.backbone.", "value_head": "critic.value_head."}[head] + rest
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(layout="lora", fsdp="true"), "fsdp: shards the full layout's models; layout lora trains adapters"),
+    (dict(layout="full", fsdp="true", decoder="hf"), "decoder: hf with fsdp would run a collective per decoded"),
+])
+def test_fsdp_config_errors_are_one_line(tiny_lm_dir, prompts_file, tmp_path, capsys, overrides, message):
+    assert main(_args(tiny_lm_dir, prompts_file, tmp_path / "r", **overrides)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+@needs_fsdp
+def test_fsdp_bf16_reference_computes_what_the_policy_computes(tiny_lm_dir, prompts_file, tmp_path):
+    """Under FSDP's bf16 policy the reference is stored in bf16: the KL before the first update is 0."""
+    run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", precision="bf16", **FSDP))
+    assert run.returncode == 0, run.stderr[-3000:]
+    first = read_metrics(tmp_path / "r" / "metrics.jsonl")[0]
+    assert first["objective/kl"] == 0.0

@@ -33,6 +33,9 @@ class RLHFConfig(FaultConfig):
     lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
     lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
+    fsdp: bool = param(False, "full layout under torchrun: shard policy, critic and reference over the ranks "
+                       "with FSDP2 (each rank keeps 1/world of the weights and optimizer state); checkpoints "
+                       "through torch.distributed.checkpoint, which resume on any world size")
     critic_model: str | None = param(None, "full layout: a reward model to start the critic from (its trunk "
                                      "and score head, as TRL does); default: the policy's trunk, zero head")
     # ---- data and reward
@@ -181,7 +184,23 @@ class RLHFConfig(FaultConfig):
         if self.critic_model is not None and self.layout != "full":
             raise UserError(f"critic_model: only the full layout has a separate critic model; allowed: none "
                             f"with layout {self.layout}")
+        self._check_fsdp()
         self._check_estimator()
+
+    def _check_fsdp(self) -> None:
+        """FSDP2 shards the full layout's models and decodes with the lean decoder on gathered weights."""
+        if not self.fsdp:
+            return
+        if self.layout != "full":
+            raise UserError(f"fsdp: shards the full layout's models; layout {self.layout} trains adapters, which "
+                            "plain data parallelism replicates; allowed: layout full, or fsdp false")
+        if self.precision == "fp16":
+            raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
+                            "all-reduce across ranks); allowed: fp32, bf16, auto")
+        if self.decoder == "hf":
+            raise UserError("decoder: hf with fsdp would run a collective per decoded token, and rows that end at "
+                            "different steps on different ranks would hang it; allowed: auto or lean (fsdp "
+                            "gathers the policy whole for the lean decoder)")
 
     def _check_env(self) -> None:
         if not self.env:

@@ -77,6 +77,30 @@ def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
     return out.last_hidden_state[:, -n_resp - 1:-1].contiguous()
 
 
+class Trunk(nn.Module):
+    """A causal LM's response hidden states as one module call: the full layout's policy and reference.
+    Under FSDP2 it is the root group (embeddings, final norm, LM head): calling the backbone directly
+    would bypass the root's hooks, so its weights would stay shards."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+        return response_hidden(self.lm.base_model, ids, mask, n_resp)
+
+
+class CriticTrunk(nn.Module):
+    """The full layout's critic: its backbone and value head, values (B, T) fp32 in one module call."""
+
+    def __init__(self, backbone: nn.Module, value_head: ValueHead):
+        super().__init__()
+        self.backbone, self.value_head = backbone, value_head
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+        return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
+
+
 def enable_gradient_checkpointing(lm: nn.Module, context_fn=None) -> None:
     """Recompute each decoder layer in backward. HF only checkpoints a layer whose own `training` flag is
     set, so we set that flag on the layer objects alone: their children stay in eval (no dropout).
@@ -179,11 +203,17 @@ class Layout(Protocol):
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]: ...
 
-    def export(self, path: Path) -> None: ...
+    def export(self, path: Path) -> None: ...  # rank 0's call; every rank's when `sharded` (it gathers)
+
+    sharded: bool  # FSDP2: trainable weights are shards, their gradients reduced by FSDP (`FullLayout.shard`)
+
+    def release(self) -> None: ...  # free what a no-grad pass left gathered (nothing unless sharded)
 
 
 class LoraLayout:
     """`lora` (value head on the policy's trunk) and, with `critic_adapter`, `lora-critic`."""
+
+    sharded = False  # replicated under torchrun: the trainer all-reduces the adapters' gradients
 
     def __init__(self, base: nn.Module, r: int, alpha: float, target_modules: str | list[str],
                  critic_adapter: bool = False, decoder: str = "auto", critic: bool = True):
@@ -301,37 +331,110 @@ class LoraLayout:
             merged.delete_adapter("critic")
         merged.merge_and_unload().save_pretrained(path)
 
+    def release(self) -> None:
+        pass
+
 
 class FullLayout:
+    """TRL's four models: the trained policy, a frozen reference, a critic (its own backbone and value
+    head). `shard` turns it into FSDP2 shards over the ranks (`runtime/fsdp.py`): each rank then holds
+    1/world of every trained weight and its optimizer state, and the decoder gathers the policy whole."""
+
     def __init__(self, policy: nn.Module, reference: nn.Module | None, critic_backbone: nn.Module | None,
                  value_head: ValueHead | None, decoder: str = "auto"):
         self.policy_model = policy.eval()
-        self.policy_backbone = policy.base_model
-        self.reference = None if reference is None else _freeze(reference)
-        self.critic = None if critic_backbone is None else critic_backbone.eval()
-        self.value_head = None if value_head is None else value_head.eval()
+        self.policy = Trunk(policy)
+        self.reference = None if reference is None else Trunk(_freeze(reference))
+        self.critic = None if critic_backbone is None else CriticTrunk(critic_backbone.eval(), value_head.eval())
+        self.value_head = value_head
         self.lean = _use_lean(decoder, self)
         self.fast_ref_forward = None  # the reference is its own model: only the plain pass
-        self._trainable = [(f"policy.{n}", p) for n, p in policy.named_parameters()]
+        self.sharded = False
+        self._index_trainable()
+
+    def _index_trainable(self) -> None:
+        """The trained weights by stable names (checkpoint.pt's keys); after `shard`, the shards."""
+        self._trainable = [(f"policy.{n}", p) for n, p in self.policy_model.named_parameters()]
         if self.critic is not None:
-            self._trainable += [(f"critic.{n}", p) for n, p in self.critic.named_parameters()]
-            self._trainable += [(f"value_head.{n}", p) for n, p in self.value_head.named_parameters()]
+            self._trainable += [(f"critic.{n}", p) for n, p in self.critic.backbone.named_parameters()]
+            self._trainable += [(f"value_head.{n}", p) for n, p in self.critic.value_head.named_parameters()]
         for _, p in self._trainable:
             p.requires_grad_(True)
+
+    def shard(self, precision: str) -> None:
+        """FSDP2 over the process group's ranks: each decoder layer a group, the rest of each model its
+        root group (`Trunk`, `CriticTrunk`); the value head its own fp32 group (it computes in fp32).
+        `precision` fp32 or bf16: bf16 gathers bf16 weights (compute in bf16), reduces gradients in fp32
+        and keeps fp32 master shards; the reference, stored in bf16 then, computes what the policy
+        computes, so their KL is 0 before the first update. Replicas start equal (rank 0's weights)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from ppoforge.runtime import distributed
+        from ppoforge.runtime.fsdp import default_mesh, full_weights, mp_policy, shard_model
+
+        if not self.lean:
+            raise UserError(f"fsdp: needs the lean decoder (a Llama-family model: llama, qwen2), which decodes "
+                            f"from gathered weights; this is a {self.policy_model.config.model_type}; allowed: "
+                            "fsdp false (plain data parallelism)")
+        distributed.broadcast_params([p for _, p in self._trainable])
+        # its advice is about in-place ops on a group's output; none is applied to these
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        mesh = default_mesh(self.policy)
+        shard_model(self.policy, precision, mesh, reshard_root=False)  # the LM head runs after its forward
+        if self.reference is not None:
+            cast = mp_policy(precision)
+            shard_model(self.reference, MixedPrecisionPolicy(param_dtype=cast.param_dtype), mesh, reshard_root=False)
+        if self.critic is not None:
+            fully_shard(self.critic.value_head, mesh=mesh, mp_policy=MixedPrecisionPolicy())
+            shard_model(self.critic, precision, mesh)
+        # FSDP allocates a group's gathered weights at its first all-gather; were that inside
+        # torch.inference_mode (the rollout's passes), they would be inference tensors that a later
+        # all-gather with autograd on may not write into. So gather each once here, outside it.
+        for model in (self.policy, self.reference, self.critic):
+            if model is not None:
+                with full_weights(model):
+                    pass
+        self.sharded = True
+        self._index_trainable()
+
+    def release(self) -> None:
+        if self.sharded:
+            from ppoforge.runtime.fsdp import reshard
+
+            reshard(self.policy)
+            if self.reference is not None:
+                reshard(self.reference)
+
+    def checkpoint_module(self) -> nn.Module:
+        """The trained models under one root, for torch.distributed.checkpoint (names independent of the
+        world size and of sharding)."""
+        parts = {"policy": self.policy} | ({"critic": self.critic} if self.critic is not None else {})
+        return nn.ModuleDict(parts)
 
     def lean_applies(self) -> bool:
         return is_llama_family(self.policy_model.config)
 
     def decoder(self):
-        """A fresh decoder per rollout: its prepared weights are a snapshot of the training weights."""
+        """A fresh decoder per rollout: its prepared weights are a snapshot of the training weights.
+        Sharded, the lean decoder reads the policy gathered whole for the length of the context
+        (collective: every rank enters); it calls no module, so no FSDP hook would gather for it."""
+        if self.sharded:
+            return self._gathered_decoder()
         return contextlib.nullcontext(LlamaDecoder(self.policy_model) if self.lean else HFDecoder(self.policy_model))
 
+    @contextlib.contextmanager
+    def _gathered_decoder(self):
+        from ppoforge.runtime.fsdp import full_weights
+
+        with full_weights(self.policy):
+            yield LlamaDecoder(self.policy_model)
+
     def forward(self, ids, mask, n_resp):
-        values = None if self.critic is None else self.values(ids, mask, n_resp)
-        return response_hidden(self.policy_backbone, ids, mask, n_resp), values
+        values = None if self.critic is None else self.critic(ids, mask, n_resp)
+        return self.policy(ids, mask, n_resp), values
 
     def values(self, ids, mask, n_resp):
-        return self.value_head(response_hidden(self.critic, ids, mask, n_resp))
+        return self.critic(ids, mask, n_resp)
 
     def sampled_values(self, hidden):
         return None  # the critic is its own trunk
@@ -340,16 +443,24 @@ class FullLayout:
         return self.policy_model.get_output_embeddings()(hidden)
 
     def ref_forward(self, ids, mask, n_resp):
-        return response_hidden(self.reference.base_model, ids, mask, n_resp)
+        return self.reference(ids, mask, n_resp)
 
     def ref_logits(self, hidden):
-        return self.reference.get_output_embeddings()(hidden)
+        return self.reference.lm.get_output_embeddings()(hidden)
 
     def named_trainable(self):
         return self._trainable
 
     def export(self, path: Path) -> None:
-        self.policy_model.save_pretrained(path)
+        if not self.sharded:
+            self.policy_model.save_pretrained(path)
+            return
+        from ppoforge.runtime import distributed
+        from ppoforge.runtime.fsdp import full_state_dict
+
+        state = full_state_dict(self.policy_model)  # collective
+        if distributed.is_main():
+            self.policy_model.save_pretrained(path, state_dict=state)
 
 
 def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, critic_adapter: bool = False,

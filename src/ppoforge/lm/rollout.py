@@ -27,6 +27,7 @@ from ppoforge.core.critic_free import (
     rloo_advantages,
 )
 from ppoforge.core.stats import whiten
+from ppoforge.runtime import distributed
 from ppoforge.runtime.distributed import reducer
 
 if TYPE_CHECKING:
@@ -198,3 +199,28 @@ def _reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> to
 
 ESTIMATORS = {"gae": gae_estimate, "grpo": grpo_estimate, "rloo": rloo_estimate,
               "reinforce_pp": reinforce_pp_estimate, "reinforce_pp_baseline": reinforce_pp_baseline_estimate}
+
+
+def gather_rollout(b: Rollout, pad_id: int) -> Rollout:
+    """Every rank's rows of the rollout in rank order: the global rollout, each rank's part padded to the
+    longest prompt (on the left) and response (on the right), padding masked out. Under FSDP every rank
+    must run every mini-batch's forward and backward, so each trains an equal slice of each mini-batch of
+    the global rollout (`RLHFTrainer._own_rows`). The identity at world 1."""
+    if distributed.world().size == 1:
+        return b
+    n_resp = b.resp.shape[1]
+    n_prompt = b.ids.shape[1] - n_resp
+    p_max, t_max = distributed.all_gather(torch.tensor([[n_prompt, n_resp]])).max(0).values.tolist()
+
+    def both(x: torch.Tensor, value) -> torch.Tensor:  # (B, P + T) -> (B, p_max + t_max)
+        prompt = torch.nn.functional.pad(x[:, :n_prompt], (p_max - n_prompt, 0), value=value)
+        return torch.cat([prompt, torch.nn.functional.pad(x[:, n_prompt:], (0, t_max - n_resp), value=value)], 1)
+
+    def resp(x: torch.Tensor | None, value=0) -> torch.Tensor | None:  # (B, T) -> (world * B, t_max)
+        if x is None:
+            return None
+        return distributed.all_gather(torch.nn.functional.pad(x, (0, t_max - n_resp), value=value))
+
+    return Rollout(distributed.all_gather(both(b.ids, pad_id)), distributed.all_gather(both(b.mask, 0)),
+                   resp(b.resp, pad_id), resp(b.resp_mask), resp(b.logp), resp(b.ref_logp), resp(b.values),
+                   distributed.all_gather(b.scores), resp(b.turn_rewards), resp(b.adv), resp(b.ret))

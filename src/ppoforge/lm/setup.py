@@ -90,6 +90,16 @@ def attention_for(choice: str, device: torch.device) -> str | None:
     return choice
 
 
+def fsdp_precision(cfg: RLHFConfig, device: torch.device) -> str | None:
+    """The precision FSDP2 casts to (fp32 or bf16) when this run shards its models, else None: with
+    `fsdp` under torchrun (world > 1). At world 1 `fsdp` trains the plain full layout (only the checkpoint
+    format differs), so a run can move between world sizes."""
+    from ppoforge.runtime import distributed
+    from ppoforge.runtime.precision import resolve_precision
+
+    return resolve_precision(cfg.precision, device) if cfg.fsdp and distributed.world().size > 1 else None
+
+
 def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) -> Layout:
     from ppoforge.lm.models import load_causal_lm, load_reward_model
 
@@ -99,12 +109,20 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) 
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.layout == "lora-critic",
                           cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
     policy = load_causal_lm(cfg.model, torch.float32, device, **kw)
+    sharded = fsdp_precision(cfg, device)
     # the reference as the fp32 policy computes under autocast: Linear weights in its dtype, the rest fp32;
-    # none without a KL term (kl_coef 0: no reference pass, so no copy in memory)
-    reference = (cast_linears(load_causal_lm(cfg.model, torch.float32, device, **kw), frozen_dtype)
-                 if cfg.kl_coef else None)
+    # sharded, as FSDP casts the policy: all of it in bf16, or fp32. None without a KL term (kl_coef 0:
+    # no reference pass, so no copy in memory)
+    reference = None
+    if cfg.kl_coef and sharded:
+        reference = load_causal_lm(cfg.model, torch.bfloat16 if sharded == "bf16" else torch.float32, device, **kw)
+    elif cfg.kl_coef:
+        reference = cast_linears(load_causal_lm(cfg.model, torch.float32, device, **kw), frozen_dtype)
     critic = load_reward_model(cfg.critic_model, torch.float32, device, **kw) if cfg.critic_model else None
-    return build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
+    layout = build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
+    if sharded:
+        layout.shard(sharded)
+    return layout
 
 
 def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
@@ -113,7 +131,8 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     from ppoforge.lm.rewards import build_reward, score
 
     device = resolve_device(cfg.device)
-    precision = make_precision(cfg.precision, device)
+    # sharded, FSDP casts the weights itself (MixedPrecisionPolicy) in place of autocast
+    precision = make_precision("fp32" if fsdp_precision(cfg, device) else cfg.precision, device)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
                                field="tokenizer" if cfg.tokenizer else "model")
     attn = attention_for(cfg.attn_implementation, device)

@@ -42,7 +42,7 @@ from ppoforge.core.stats import masked_mean
 from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.multiturn import Episodes, Episodic, episode_metrics
-from ppoforge.lm.rollout import ESTIMATORS, Rollout, left_pad, non_score_rewards, rollout_metrics
+from ppoforge.lm.rollout import ESTIMATORS, Rollout, gather_rollout, left_pad, non_score_rewards, rollout_metrics
 from ppoforge.lm.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
 from ppoforge.lm.scoring import RolloutScoring
 from ppoforge.lm.setup import Components, build_components
@@ -56,6 +56,7 @@ from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
 from ppoforge.runtime.timeouts import call_with_timeout
 
 CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
 TABLE_ROWS = 8  # completions shown in TensorBoard per logging step (all of them go to completions.jsonl)
 LOSS_KEYS = ("loss/policy_avg", "loss/value_avg")  # weighted by the micro-batch's share of the loss units
 TOKEN_KEYS = ("policy/entropy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio",
@@ -97,7 +98,13 @@ class RLHFTrainer:
         self.parts: Components = build_components(cfg, reward_fn)
         self.layout, self.tokenizer, self.precision = self.parts.layout, self.parts.tokenizer, self.parts.precision
         self.params = [p for _, p in self.layout.named_trainable()]
-        distributed.broadcast_params(self.params)
+        # FSDP2 (`fsdp` under torchrun): the trained weights are shards and FSDP reduces their gradients;
+        # every rank runs every mini-batch's forward/backward (its equal slice of the gathered rollout)
+        self.sharded = self.layout.sharded
+        if self.sharded:
+            distributed.shard(cfg.mini_batch_size, "mini_batch_size")
+        else:
+            distributed.broadcast_params(self.params)
         distributed.reseed(cfg.seed)
         # fused: one kernel for all tensors (~6x faster than the default on CPU for LoRA's many small ones)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
@@ -127,12 +134,17 @@ class RLHFTrainer:
         self.lr_scale = 1.0  # lowered by each non-finite rollback
         self.micro_batch, self.gen_batch = cfg.micro_batch_size, cfg.rollout_size  # halved on out-of-memory
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
-        self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train rlhf --resume {self.run_dir}")
+        self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
+        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train rlhf --resume {self.run_dir}",
+                                  write=self._save_sharded if cfg.fsdp else None)
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"trainable": {n: p.detach().clone() for n, p in self.layout.named_trainable()},
-                "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict(),
+        """The whole state; with `fsdp` all but the weights and optimizer, which `_save_sharded` writes."""
+        weights = {} if self.cfg.fsdp else {
+            "trainable": {n: p.detach().clone() for n, p in self.layout.named_trainable()},
+            "optimizer": self.optimizer.state_dict()}
+        return {**weights, "precision": self.precision.state_dict(),
                 "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_state(), "generator": self.gen.get_state(),
                 "update": self.update, "cursor": self.cursor, "config": config_to_dict(self.cfg),
                 **self.light_state()}
@@ -143,11 +155,29 @@ class RLHFTrainer:
                 "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
                 "lr_scale": self.lr_scale}
 
+    def _save_sharded(self, state: dict) -> None:
+        """`fsdp`: every rank writes its shards of the weights and optimizer; rank 0 the rest (`state`)."""
+        from ppoforge.runtime.fsdp import save_sharded
+
+        save_sharded(self.checkpoint, self.layout.checkpoint_module(), self.optimizer, state)
+
+    def resume(self) -> None:
+        """Continue from the run dir's checkpoint, whatever world size wrote it."""
+        if not self.cfg.fsdp:
+            resume_from(self, self.checkpoint)
+            return
+        from ppoforge.runtime.fsdp import load_sharded
+
+        self.load(load_sharded(self.checkpoint, self.layout.checkpoint_module(), self.optimizer))
+        self.run_guard.saved_update = self.update
+
     def load(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, p in self.layout.named_trainable():
-                p.copy_(state["trainable"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume`)."""
+        if "trainable" in state:
+            with torch.no_grad():
+                for name, p in self.layout.named_trainable():
+                    p.copy_(state["trainable"][name])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         set_rng_state(state["rng"])  # rank 0's: the other ranks reseed theirs (the shared generator resumes)
@@ -161,7 +191,10 @@ class RLHFTrainer:
         """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
         distributed.barrier()  # rank 0's checkpoint is on disk
-        self.load(load_checkpoint(self.run_dir / CHECKPOINT, map_location="cpu"))
+        if self.cfg.fsdp:
+            self.resume()
+        else:
+            self.load(load_checkpoint(self.checkpoint, map_location="cpu"))
         self.guard.counts.update(counts)
         self.lr_scale = scale
         for name in ("metrics.jsonl", "completions.jsonl"):  # the steps after it are run again
@@ -189,17 +222,18 @@ class RLHFTrainer:
         no draw), and no collective runs while decoding."""
         prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.parts.device)
         uniforms = draw_uniforms(self.sampling, n_global or prompt_ids.shape[0], generator)[:, cols]
-        while True:
-            try:
-                with self.layout.decoder() as decoder, self.precision.autocast():
+        # entered once, retries inside: sharded, entering gathers the policy (a collective)
+        with self.layout.decoder() as decoder, self.precision.autocast():
+            while True:
+                try:
                     parts = [sample(decoder, prompt_ids[s:s + self.gen_batch], prompt_mask[s:s + self.gen_batch],
                                     self.sampling, uniforms=uniforms[:, s:s + self.gen_batch])
                              for s in range(0, prompt_ids.shape[0], self.gen_batch)]
-                break
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                self.gen_batch = halve(self.gen_batch, "generation batch", e)
+                    break
+                except Exception as e:
+                    if not is_oom(e):
+                        raise
+                    self.gen_batch = halve(self.gen_batch, "generation batch", e)
         samples = concat_samples(parts, self.sampling.pad_id)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
@@ -261,6 +295,7 @@ class RLHFTrainer:
         reference log-probs None without a KL term."""
         with self.precision.autocast():
             logp, values, ref_logp = self.scoring(ids, mask, samples)
+        self.layout.release()  # sharded: the LM heads these no-grad passes left gathered
         m = samples.response_mask
         return Rollout(ids, mask, samples.response_ids, m, logp * m, _masked(ref_logp, m), _masked(values, m), scores,
                        getattr(samples, "turn_rewards", None))
@@ -283,7 +318,9 @@ class RLHFTrainer:
             for mb in order.split(cfg.mini_batch_size):
                 mb = self._own_rows(mb)
                 sums = self._mini_batch_gradients(b, mb)  # (total loss, *stats in `keys` order)
-                sums = distributed.all_reduce_grads(self.params, sums)  # one all-reduce per step
+                # one all-reduce per step (sharded: of the stats alone, FSDP reduced the gradients in backward)
+                sums = (distributed.all_sum(sums) if self.sharded else
+                        distributed.all_reduce_grads(self.params, sums))
                 norm = self.precision.clip(self.optimizer, self.params, cfg.max_grad_norm)
                 ok = self.guard.step_ok(sums[0], norm, self.precision.scaler is not None)
                 self.optimizing = True
@@ -297,6 +334,8 @@ class RLHFTrainer:
         none included: the gradient all-reduce and the global unit count make the step the global one)."""
         if self.world.size == 1:
             return mb
+        if self.sharded:  # `b` is the gathered rollout; every rank takes an equal slice (FSDP's lockstep)
+            return mb.tensor_split(self.world.size)[self.world.rank]
         return mb[(mb >= self.rows.start) & (mb < self.rows.stop)] - self.rows.start
 
     def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor) -> torch.Tensor:
@@ -315,7 +354,7 @@ class RLHFTrainer:
                 with self.precision.weight_cache():
                     return sum(self._micro_batch(b, micro, mb_units, mb_tokens) for micro in mb.split(self.micro_batch))
             except Exception as e:
-                if not is_oom(e):
+                if not is_oom(e) or self.sharded:  # sharded: a rank alone redoing it would break the lockstep
                     raise
                 self.micro_batch = halve(self.micro_batch, "micro-batch", e)
 
@@ -347,7 +386,8 @@ class RLHFTrainer:
             if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
                 loss = loss - cfg.ent_coef * reduce(entropy, m)
             share = unit_share(self.agg.units(m), mb_units)  # the accumulated gradient is the mini-batch's loss
-            self.precision.backward(loss * share)
+            # FSDP averages the ranks' gradients: x world makes that the sum, the all-reduce's
+            self.precision.backward(loss * share * (self.world.size if self.sharded else 1))
         tokens = token_share(m, mb_tokens)
         return torch.cat([share * torch.stack([loss.detach(), *(stats[k] for k in self.loss_keys)]),
                           tokens * torch.stack([stats[k] for k in self.token_keys])])
@@ -387,7 +427,8 @@ class RLHFTrainer:
         b.adv, b.ret = self.estimate(b, non_score, cfg)
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
         keys = self.loss_keys + self.token_keys
-        stats = self.ppo_update(b) if finite else dict.fromkeys(keys, torch.tensor(float("nan")))
+        trained = gather_rollout(b, self.tokenizer.pad_token_id) if self.sharded else b
+        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, torch.tensor(float("nan")))
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
@@ -432,6 +473,9 @@ class RLHFTrainer:
         batch = pairs[cols]
         if not batch:  # more ranks than pairs: draw what the others draw, sample nothing
             self.draw_uniforms(len(pairs), gen)
+            if self.sharded:  # but gather the policy with the others (a collective)
+                with self.layout.decoder():
+                    pass
             return []
         rows = [self.parts.heldout_rows[i] for i, _ in batch]
         # with an env, held-out prompt i always plays environment seed (seed, i): the same games each time
@@ -470,8 +514,9 @@ class RLHFTrainer:
             stopped = train_loop(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every, after_update)
             if self.update == cfg.total_updates and not stopped:
                 self._log_heldout(logger)
-                if main:
+                if main or self.sharded:  # sharded, every rank takes part in gathering the weights
                     self.layout.export(self.run_dir / "policy")
+                if main:
                     self.tokenizer.save_pretrained(self.run_dir / "policy")
         finally:
             progress.close()
@@ -518,5 +563,5 @@ def train(cfg: RLHFConfig, run_dir: Path, resume: bool = False, reward_fn=None) 
     trainer = RLHFTrainer(cfg, run_dir, reward_fn)
     if resume:
         # on CPU: generator states must be CPU tensors; optimizer state moves to its params' device itself
-        resume_from(trainer, Path(run_dir) / CHECKPOINT)
+        trainer.resume()
     return trainer.run()

@@ -100,25 +100,51 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh: DeviceMesh | None = None
-                ) -> nn.Module:
+def default_mesh(model: nn.Module) -> DeviceMesh:
+    """One dimension over every rank, on the device type of `model`'s parameters."""
+    return init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+
+
+def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh: DeviceMesh | None = None,
+                reshard_root: bool = True) -> nn.Module:
     """fully_shard each decoder layer, then the root; returns `model`, now an FSDPModule, in place.
 
-    Needs an initialized process group. `mesh` defaults to one dimension over every rank on the device
-    type of the model's parameters (a CUDA model should already be on this rank's device)."""
+    Needs an initialized process group. `mesh` defaults to `default_mesh(model)` (a CUDA model should
+    already be on this rank's device). `reshard_root=False` keeps the root group (embeddings, final
+    norm, LM head) gathered after its forward, until the backward or an explicit `reshard()`: for a
+    caller that applies the LM head to the forward's output outside the root's forward (lm/policy.py's
+    `Trunk`); the head's gradient still reaches the root's reduce-scatter, which runs when backward ends."""
     device = next(model.parameters()).device
     if device.type == "cpu" and (reason := cpu_unsupported_reason()):
         raise UserError(f"fsdp: {reason}; allowed: a CUDA device, or a newer torch on CPU")
-    if mesh is None:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh or default_mesh(model)
     policy = mp_policy(mp)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     # the root too (torch > 2.6 would keep it gathered from forward to backward): a no-grad forward (a
     # rollout, the reference pass) would otherwise leave embeddings and LM head gathered until the next
     # backward, and an optimizer built meanwhile would hold the gathered tensors instead of the shards
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root)
     return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered FSDP group of `model` (a root kept gathered by `reshard_root=False` after a
+    no-grad forward); nothing for a model without FSDP. Not a collective."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s whole state dict on the CPU, every shard gathered (collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 @contextlib.contextmanager

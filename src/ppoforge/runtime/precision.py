@@ -68,7 +68,8 @@ class Precision:
             self.scaler.unscale_(optimizer)
         if max_grad_norm is None:
             return torch.zeros(())
-        return torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP shards: a replicated DTensor
 
     def apply(self, optimizer: torch.optim.Optimizer, skip: bool = False) -> None:
         """The optimizer step (the scaler's, under fp16), or none with `skip` (the guard refused it)."""

@@ -131,16 +131,22 @@ class NonFiniteGuard:
 class RunGuard:
     """Checkpoint-on-failure around each update of `trainer`, which provides `state_dict()`,
     `light_state()`, `update` (completed updates) and `optimizing` (True once its update has stepped the
-    optimizer). `resume_hint` is the command that continues the run."""
+    optimizer). `resume_hint` is the command that continues the run.
 
-    def __init__(self, trainer, path: Path, resume_hint: str):
-        self.trainer, self.path, self.resume_hint = trainer, Path(path), resume_hint
-        self.full = nbytes(trainer.state_dict()) <= SNAPSHOT_LIMIT
+    `write(state)`, when given, is a collective writer every rank calls (FSDP2's sharded checkpoint: it
+    saves the live weights itself, so no snapshot of them is kept); on a failure it runs only when every
+    rank knows of it (a shared error or a stop), since the others would otherwise never join it."""
+
+    def __init__(self, trainer, path: Path, resume_hint: str, write=None):
+        self.trainer, self.path, self.resume_hint, self.write = trainer, Path(path), resume_hint, write
+        self.full = write is None and nbytes(trainer.state_dict()) <= SNAPSHOT_LIMIT
         self.saved_update: int | None = None  # the update the newest checkpoint on disk holds
 
     def save(self, state: dict | None = None) -> None:
         state = self.trainer.state_dict() if state is None else state
-        if distributed.is_main():  # the replicated state: rank 0 writes it (runtime/distributed.py)
+        if self.write is not None:
+            self.write(state)
+        elif distributed.is_main():  # the replicated state: rank 0 writes it (runtime/distributed.py)
             save_checkpoint(self.path, state)
         self.saved_update = state["update"]
 
@@ -157,7 +163,8 @@ class RunGuard:
             raise
         except BaseException as e:
             # the same exception goes on (its traceback intact for --debug), saying what the run kept
-            e.ppoforge_kept = resume_note(self._save_point(point), self.resume_hint)
+            shared = self.write is None or getattr(e, "ppoforge_shared", False)
+            e.ppoforge_kept = resume_note(self._save_point(point) if shared else self.saved_update, self.resume_hint)
             raise
 
     def _save_point(self, point: dict) -> int | None:
