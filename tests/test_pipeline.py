@@ -104,3 +104,30 @@ def test_a_bad_field_in_a_later_stage_fails_before_any_stage_runs(tmp_path, tiny
     bad = _write(tmp_path, {"sft": {"model": "x", "data": "y"}, "rl": {}})
     code = main(["pipeline", str(bad)])
     assert code == 2 and "allowed: sft, reward and ppo sections" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_write_one_summary_equal_to_one_process(tmp_path, tiny_models):
+    """Every stage's trainer runs on both ranks; rank 0 alone prints and writes the summaries, which hold
+    the single-process numbers (each trainer's 2-rank run equals its 1-rank run: tests/lm/test_distributed.py)."""
+    import subprocess
+    from pathlib import Path
+
+    import ppoforge
+    from ppoforge.runtime.launch import torchrun
+
+    config, one, two = _write(tmp_path, _spec(tiny_models)), tmp_path / "one", tmp_path / "two"
+    assert main(["pipeline", str(config), "--run-dir", str(one)]) == 0
+    env = {**os.environ, "PYTHONPATH": str(Path(ppoforge.__file__).parents[1]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(torchrun(["pipeline", str(config), "--run-dir", str(two)], 2), env=env, text=True,
+                         capture_output=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("reward model: held-out pairwise accuracy") == 1, run.stdout
+    assert run.stderr.count("ppoforge pipeline: ppo in") == 1
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert a.keys() == b.keys() == {"sft", "reward", "ppo"}
+    for stage in a:
+        for key, value in a[stage].items():
+            if not key.startswith("perf/") and isinstance(value, float):
+                assert b[stage][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (stage, key)

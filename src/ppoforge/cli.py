@@ -146,11 +146,11 @@ def _cmd_pipeline(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs_root) / f"pipeline-{config.stem}"
     summary = run_pipeline(config, run_dir, trusted=args.trust_run_dir)
     if summary["stopped_by"]:
-        print(f"stopped by {summary['stopped_by']} in stage {summary['stage']}, checkpoint saved; rerun "
-              f"`ppoforge pipeline {args.config} --run-dir {run_dir}` to continue")
+        _report(f"stopped by {summary['stopped_by']} in stage {summary['stage']}, checkpoint saved; rerun "
+                f"`ppoforge pipeline {args.config} --run-dir {run_dir}` to continue")
         return 0
-    print(describe(summary))
-    print(f"run dir {run_dir} (summary.json, and sft/ reward/ ppo/ with each stage's run)")
+    _report(describe(summary))
+    _report(f"run dir {run_dir} (summary.json, and sft/ reward/ ppo/ with each stage's run)")
     return 0
 
 

@@ -75,13 +75,21 @@ def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, s
     if resume:
         cfg = resume_config(type(cfg), read_saved_config(stage_dir / "config.yaml"), vars(cfg))
         trust.check_resume(stage_dir, cfg, trusted)
-    else:
+    elif _main():  # under torchrun rank 0 alone touches the run dir
         rundir.prepare_new_run_dir(stage_dir, overwrite=True)  # what a stage left before its first checkpoint
     if stage == "ppo":
         result = rlhf.train(cfg, stage_dir, resume=resume)
-        return {"updates": result.updates, **result.last_metrics, **_heldout(stage_dir)}, result.stopped_by
+        return {"updates": result.updates, **result.last_metrics, **(_heldout(stage_dir) if _main() else {})}, \
+            result.stopped_by
     result = (sft if stage == "sft" else reward_model).train(cfg, stage_dir, resume=resume)
     return result, result["stopped_by"]
+
+
+def _main() -> bool:
+    """Rank 0 under torchrun (read from its environment: the first stage has not joined the group yet)."""
+    from ppoforge.runtime.distributed import env_world
+
+    return env_world().is_main
 
 
 def _heldout(stage_dir: Path) -> dict:
@@ -92,23 +100,35 @@ def _heldout(stage_dir: Path) -> dict:
 
 
 def run_pipeline(config_path: Path, run_dir: Path, trusted: bool = False) -> dict:
-    """Run the stages in order, skipping finished ones; returns the summary (also run_dir/summary.json)."""
+    """Run the stages in order, skipping finished ones; returns the summary (also run_dir/summary.json).
+    Under torchrun every rank runs each stage's trainer; rank 0 alone prints and writes the summaries."""
     configs = stage_configs(read_pipeline(config_path), Path(run_dir))
-    summary = {}
+    summary, main = {}, _main()
     for stage, cfg in configs.items():
         stage_dir, done = Path(run_dir) / stage, Path(run_dir) / stage / "stage.json"
         if done.is_file():
             summary[stage] = json.loads(done.read_text())
-            print(f"ppoforge pipeline: {stage} already finished in {stage_dir}; not redone", file=sys.stderr)
+            if main:
+                print(f"ppoforge pipeline: {stage} already finished in {stage_dir}; not redone", file=sys.stderr)
             continue
-        print(f"ppoforge pipeline: {stage} in {stage_dir}", file=sys.stderr, flush=True)
+        if main:
+            print(f"ppoforge pipeline: {stage} in {stage_dir}", file=sys.stderr, flush=True)
         result, stopped = _run_stage(stage, cfg, stage_dir, trusted)
         if stopped:
             return {"stopped_by": stopped, "stage": stage, **summary}
         summary[stage] = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k != "stopped_by"}
-        atomic_write_text(done, json.dumps(summary[stage], indent=1) + "\n")
-    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=1) + "\n")
+        if main:
+            atomic_write_text(done, json.dumps(summary[stage], indent=1) + "\n")
+        _barrier()  # no rank checks the next stage's files before rank 0 has written this one's
+    if main:
+        atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=1) + "\n")
     return {"stopped_by": None, **summary}
+
+
+def _barrier() -> None:
+    from ppoforge.runtime import distributed
+
+    distributed.barrier()
 
 
 def describe(summary: dict) -> str:
