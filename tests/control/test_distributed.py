@@ -21,12 +21,17 @@ ARGS = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--num-steps", "16", "--to
         "--torch-threads", "1", "--progress", "false", "--tensorboard", "false", "--dist-timeout", "60"]
 
 
+NORMALIZED = ["--normalize-obs", "true", "--normalize-reward", "true"]
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_rank(tmp_path):
+@pytest.mark.parametrize("extra", [[], NORMALIZED], ids=["plain", "normalized"])
+def test_two_ranks_equal_one_rank(tmp_path, extra):
+    """With the normalizers on, each rank's statistics are the global ones (every rank's envs gathered)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", "control", "--run-dir", str(one), *ARGS]) == 0
+    assert main(["train", "control", "--run-dir", str(one), *ARGS, *extra]) == 0
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(torchrun(["train", "control", "--run-dir", str(two), *ARGS], 2),
+    run = subprocess.run(torchrun(["train", "control", "--run-dir", str(two), *ARGS, *extra], 2),
                          capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     a = torch.load(one / "checkpoint.pt", weights_only=True)["agent"]
@@ -39,6 +44,12 @@ def test_two_ranks_equal_one_rank(tmp_path):
     for key in ("losses/policy_loss", "losses/value_loss", "losses/approx_kl"):
         assert m2[-1][key] == pytest.approx(m1[-1][key], rel=1e-4, abs=1e-6), key
     assert (two / "config.yaml").read_text().startswith("# world_size: 2, per-rank batch: 2 envs")
+    if extra:  # rank 0's checkpointed normalizers are the single process's
+        n1 = torch.load(one / "checkpoint.pt", weights_only=True)["runner"]
+        n2 = torch.load(two / "checkpoint.pt", weights_only=True)["runner"]
+        for name in ("obs_rms", "ret_rms"):
+            assert n2[name]["count"] == n1[name]["count"] > 1
+            assert torch.allclose(torch.tensor(n2[name]["mean"]), torch.tensor(n1[name]["mean"]), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.slow

@@ -38,8 +38,11 @@ class Rollout:
 
 class EnvRunner:
     def __init__(self, envs, seed: int, gamma: float, normalize_obs: bool, normalize_reward: bool,
-                 clip_obs: float, clip_reward: float):
+                 clip_obs: float, clip_reward: float, gather=None):
         self.envs, self.gamma = envs, gamma
+        # the normalizers see every rank's envs under torchrun (`distributed.all_gather_np`: rows in the
+        # global env order), so their statistics are the single-process ones on every rank
+        self.gather = gather or (lambda a: a)
         self.clip_obs, self.clip_reward = clip_obs, clip_reward
         self.n = envs.num_envs
         obs_dim = envs.single_observation_space.shape[0]
@@ -59,15 +62,16 @@ class EnvRunner:
     def _normalize_obs(self, raw: np.ndarray) -> np.ndarray:
         if self.obs_rms is None:
             return raw.astype(np.float32, copy=False)
-        self.obs_rms.update(raw)
+        self.obs_rms.update(self.gather(raw))
         return self.obs_rms.normalize(raw, self.clip_obs)
 
     def _normalize_reward(self, reward: np.ndarray, ended: np.ndarray, valid: np.ndarray) -> np.ndarray:
         if self.ret_rms is None:
             return reward.astype(np.float32, copy=False)
         self.return_acc = self.return_acc * self.gamma + reward
-        if valid.any():
-            self.ret_rms.update(self.return_acc[valid])
+        acc, valid_all = self.gather(self.return_acc), self.gather(valid)
+        if valid_all.any():
+            self.ret_rms.update(acc[valid_all])
         self.return_acc[ended] = 0.0
         scaled = reward / np.sqrt(self.ret_rms.var + 1e-8)
         return np.clip(scaled, -self.clip_reward, self.clip_reward).astype(np.float32)

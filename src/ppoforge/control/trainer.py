@@ -95,7 +95,8 @@ class ControlTrainer:
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5,
                                           **({"fused": True} if self.device.type in ("cpu", "cuda") else {}))
         self.runner = EnvRunner(envs, cfg.seed + self.envs_shard.start, cfg.gamma, cfg.normalize_obs,
-                                cfg.normalize_reward, cfg.clip_obs, cfg.clip_reward)  # env i: seed + global i
+                                cfg.normalize_reward, cfg.clip_obs, cfg.clip_reward,  # env i: seed + global i
+                                gather=distributed.all_gather_np if self.world.size > 1 else None)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, distributed.sliced_rng(self.policy_rng, self.envs_shard, cfg.num_envs))
         distributed.broadcast_params(self.agent.parameters())

@@ -343,9 +343,10 @@ class FullLayout:
     def __init__(self, policy: nn.Module, reference: nn.Module | None, critic_backbone: nn.Module | None,
                  value_head: ValueHead | None, decoder: str = "auto"):
         self.policy_model = policy.eval()
-        self.policy = Trunk(policy)
-        self.reference = None if reference is None else Trunk(_freeze(reference))
-        self.critic = None if critic_backbone is None else CriticTrunk(critic_backbone.eval(), value_head.eval())
+        # eval() on the wrappers too (recursive): a module left in training mode would switch dropout on
+        self.policy = Trunk(policy).eval()
+        self.reference = None if reference is None else Trunk(_freeze(reference)).eval()
+        self.critic = None if critic_backbone is None else CriticTrunk(critic_backbone, value_head).eval()
         self.value_head = value_head
         self.lean = _use_lean(decoder, self)
         self.fast_ref_forward = None  # the reference is its own model: only the plain pass

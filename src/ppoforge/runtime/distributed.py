@@ -172,6 +172,17 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(x.device)
 
 
+def all_gather_np(a):
+    """A numpy array's rows from every rank, concatenated in rank order (control's per-env arrays: with
+    contiguous env shards, the global env order). Returned unchanged at world 1."""
+    if _world.size == 1:
+        return a
+    t = torch.from_numpy(a.copy())
+    if t.dtype == torch.bool:  # gathered as bytes: not every backend reduces bools
+        return all_gather(t.to(torch.uint8)).numpy().astype(bool)
+    return all_gather(t).numpy()
+
+
 def gather_rows(rows: list) -> list:
     """Every rank's list of picklable rows, concatenated in rank order (tables, completions)."""
     if _world.size == 1:
