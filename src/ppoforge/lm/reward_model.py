@@ -23,6 +23,7 @@ from ppoforge.lm.examples import Pair, preference_pairs
 from ppoforge.lm.rollout import right_pad
 from ppoforge.lm.sft import export_model, lora_wrap
 from ppoforge.lm.supervised import SupervisedTrainer, load_data, prepare
+from ppoforge.runtime import distributed
 
 
 class RewardTask:
@@ -77,11 +78,13 @@ class RewardTask:
         return bradley_terry_loss(r_chosen, r_rejected, margin, self.cfg.center_coef)
 
     def evaluate(self, items) -> dict:
-        gaps = torch.cat([torch.sub(*self.rewards(items[s:s + self.cfg.micro_batch_size]))
-                          for s in range(0, len(items), self.cfg.micro_batch_size)])
-        plot_gaps(gaps, self.run_dir / "reward_gaps.png")
+        gaps = [torch.sub(*self.rewards(items[s:s + self.cfg.micro_batch_size])).float()
+                for s in range(0, len(items), self.cfg.micro_batch_size)]
+        gaps = torch.tensor(distributed.gather_rows(torch.cat(gaps).tolist() if gaps else []))  # every rank's
+        if distributed.is_main():
+            plot_gaps(gaps, self.run_dir / "reward_gaps.png")
         return {"eval/accuracy": float((gaps > 0).float().mean()), "eval/gap": float(gaps.mean()),
-                "eval/pairs": len(items)}
+                "eval/pairs": len(gaps)}
 
     def export(self, path: Path) -> None:
         export_model(self.model, self.tokenizer, path)

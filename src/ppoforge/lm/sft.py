@@ -24,6 +24,7 @@ from ppoforge.lm.examples import Example, sft_examples
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.packing import collate, pack
 from ppoforge.lm.supervised import SupervisedTrainer, load_data, prepare
+from ppoforge.runtime import distributed
 
 
 def lora_wrap(model, cfg: SupervisedConfig, task_type: str):
@@ -105,8 +106,10 @@ class SFTTask:
         for s in range(0, len(items), self.cfg.micro_batch_size):
             logp = self._target_logprobs(items[s:s + self.cfg.micro_batch_size])
             total, tokens = total - float(logp.sum()), tokens + logp.numel()
+        total, tokens = distributed.all_sum(torch.tensor([total, tokens], dtype=torch.float64)).tolist()
         loss = total / max(tokens, 1)
-        self._write_samples()
+        if distributed.is_main():
+            self._write_samples()
         return {"eval/loss": loss, "eval/perplexity": float(torch.tensor(loss).exp())}
 
     def _write_samples(self) -> None:

@@ -57,7 +57,8 @@ class Task(Protocol):
 
     def loss(self, items: list) -> tuple[torch.Tensor, dict]: ...  # mean loss over items' units, detached stats
 
-    def evaluate(self, items: list) -> dict: ...  # eval/ metrics (and whatever it writes into the run dir)
+    def evaluate(self, items: list) -> dict: ...  # eval/ metrics over this rank's slice of the held-out items,
+    #   combined over the ranks (the same on every rank); rank 0 writes what goes into the run dir
 
     def export(self, path: Path) -> None: ...  # save_pretrained of the trained model and its tokenizer
 
@@ -196,11 +197,12 @@ class SupervisedTrainer:
     # ---- the run -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def evaluate(self) -> dict:
-        """Rank 0's (the others go on to the next step's all-reduce and wait there)."""
-        if not self.task.eval_items or not self.world.is_main:
+        """The held-out metrics; under torchrun each rank scores its slice and the task combines them."""
+        items = self.task.eval_items
+        if not items:
             return {}
         with self.precision.autocast():
-            return self.task.evaluate(self.task.eval_items)
+            return self.task.evaluate(items[distributed.uneven_shard(len(items))])
 
     def run(self) -> dict:
         """Train to the end (or a stop signal); returns the last metrics, eval included."""
