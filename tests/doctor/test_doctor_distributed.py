@@ -1,4 +1,5 @@
-"""Backends, the N-process all-reduce (real, hung, crashed), the multi-node rendezvous, /dev/shm and memlock."""
+"""Backends, the N-process all-reduce (real, hung, crashed), the FSDP2 step (real, wrong, hung, unsupported),
+the multi-node rendezvous, /dev/shm and memlock."""
 
 import resource
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,7 @@ from ppoforge.doctor.distributed import (
     Rendezvous,
     check_allreduce,
     check_dist_backends,
+    check_fsdp,
     check_memlock,
     check_rendezvous,
     check_shm,
@@ -17,6 +19,7 @@ from ppoforge.doctor.distributed import (
     run_allreduce,
     shm_bytes,
 )
+from ppoforge.runtime.fsdp import cpu_unsupported_reason
 from ppoforge.runtime.launch import free_port
 
 MIB, GIB = 2**20, 2**30
@@ -98,3 +101,23 @@ def test_two_nodes_meet_and_a_missing_node_fails_with_the_fixes():
     assert "all 2 node(s) met" in results[0].evidence
     alone = check_rendezvous(Rendezvous("127.0.0.1", free_port(), 2, 1), timeout=2)  # nobody hosts it
     assert alone.status == "fail" and "node 1 of 2 at 127.0.0.1" in alone.evidence and "nc -zv" in alone.fix
+
+
+def test_real_fsdp_step_on_gloo_or_the_reason_this_torch_cannot():
+    r = check_fsdp(gpus=0, nccl=False, timeout=120)
+    if cpu_unsupported_reason():  # torch 2.6: FSDP2 is CUDA-only
+        assert r.status == "skip" and "record_event" in r.evidence and "needs 2+ GPUs" in r.evidence
+    else:
+        assert r.status == "ok", r.evidence
+        assert "2-process gloo FSDP2 step" in r.evidence and "relative gap" in r.evidence
+
+
+@pytest.mark.skipif(cpu_unsupported_reason() is not None, reason=str(cpu_unsupported_reason()))
+@pytest.mark.parametrize(("code", "says"), [
+    ("print('2.0 1.0')", "the sharded gradients are wrong"),  # a norm that is not the unsharded one
+    ("import sys; sys.exit(3)", "exit codes [3, 3]"),
+    ("import time; time.sleep(60)", "hung: no result within 1.5 s"),
+])
+def test_fsdp_check_fails_on_wrong_crashed_or_hung_ranks(code, says):
+    r = check_fsdp(gpus=0, nccl=False, timeout=1.5 if "sleep" in code else 30, code=code)
+    assert r.status == "fail" and says in r.evidence + r.fix, r

@@ -80,8 +80,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_allreduce(backend: str, timeout: float, code: str = WORKER, nproc: int = 2) -> tuple[bool, str]:
-    """(succeeded, what happened). Every rank is killed at the deadline."""
+def _run_ranks(backend: str, timeout: float, code: str, nproc: int) -> tuple[list, list[tuple[str, str]]] | None:
+    """Start `code` as `nproc` ranks; (processes, their (stdout, stderr)), or None when they hung (every
+    rank is killed at the deadline)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
            "PPOFORGE_DOCTOR_BACKEND": backend, "PPOFORGE_DOCTOR_TIMEOUT": str(timeout),
            "OMP_NUM_THREADS": "1"}
@@ -92,20 +93,37 @@ def run_allreduce(backend: str, timeout: float, code: str = WORKER, nproc: int =
         for p in procs:
             outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
     except subprocess.TimeoutExpired:
-        return False, f"hung: no result within {timeout:g} s, {'both' if nproc == 2 else 'all'} ranks killed"
+        return None
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    return procs, outputs
+
+
+def _hung(timeout: float, nproc: int) -> str:
+    return f"hung: no result within {timeout:g} s, {'both' if nproc == 2 else 'all'} ranks killed"
+
+
+def _errors(procs, outputs, seen: str = "") -> str:
+    """The ranks' exit codes, what they printed (`seen`) and the first rank's last line of stderr."""
+    errors = [err.strip().splitlines()[-1] for (_, err) in outputs if err.strip()]
+    return f"exit codes {[p.returncode for p in procs]}{seen}" + (f"; {errors[0][:200]}" if errors else "")
+
+
+def run_allreduce(backend: str, timeout: float, code: str = WORKER, nproc: int = 2) -> tuple[bool, str]:
+    """(succeeded, what happened). Every rank is killed at the deadline."""
+    ran = _run_ranks(backend, timeout, code, nproc)
+    if ran is None:
+        return False, _hung(timeout, nproc)
+    procs, outputs = ran
     results = [out.strip().splitlines()[-1] if out.strip() else "" for out, _ in outputs]
     expected = str(4.0 * nproc * (nproc + 1) / 2)
     if all(p.returncode == 0 for p in procs) and results == [expected] * nproc:
         who = "both ranks" if nproc == 2 else f"all {nproc} ranks"
         return True, f"{who} got {expected} (= 4 x ({' + '.join(str(r + 1) for r in range(nproc))}))"
-    errors = [err.strip().splitlines()[-1] for (_, err) in outputs if err.strip()]
-    return False, (f"exit codes {[p.returncode for p in procs]}, results {results}"
-                   + (f"; {errors[0][:200]}" if errors else ""))
+    return False, _errors(procs, outputs, f", results {results}")
 
 
 def check_allreduce(gpus: int, nccl: bool, timeout: float = 30.0, code: str = WORKER) -> CheckResult:
@@ -120,6 +138,74 @@ def check_allreduce(gpus: int, nccl: bool, timeout: float = 30.0, code: str = WO
     if passed:
         return ok(name, evidence)
     return fail(name, evidence, NCCL_FIXES if backend == "nccl" else GLOO_FIXES)
+
+
+# ---- FSDP2 -------------------------------------------------------------------------------------------
+FSDP_WORKER = "from ppoforge.doctor.distributed import fsdp_worker; fsdp_worker()"
+FSDP_TOLERANCE = 1e-4  # relative, on the gradient norm (fp32; float summation order differs)
+
+
+def fsdp_worker() -> None:
+    """One rank: a 2-layer Llama sharded with `shard_model` (fully_shard per layer + root), a forward and
+    backward of this rank's rows of a fixed batch, the whole model's gradient norm; and the same on an
+    unsharded copy over every row. Prints both norms."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppoforge.runtime.fsdp import shard_model
+
+    backend, rank = os.environ["PPOFORGE_DOCTOR_BACKEND"], int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ["PPOFORGE_DOCTOR_TIMEOUT"])))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).to(device)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    shard_model(model, "fp32")
+    mine = ids[2 * rank:2 * rank + 2]  # equal rows per rank: FSDP's gradient average is the global mean's
+    model(input_ids=mine, labels=mine).loss.backward()
+    got = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).full_tensor()
+    print(f"{float(got):.9g} {float(want):.9g}", flush=True)
+    dist.destroy_process_group()
+
+
+def check_fsdp(gpus: int, nccl: bool, timeout: float = 60.0, code: str = FSDP_WORKER) -> CheckResult:
+    """Can `fsdp: true` run here: a real FSDP2 forward and backward over the ranks `torchrun` will use
+    (one per GPU over NCCL, else two CPU processes over gloo), checked against one unsharded process."""
+    from ppoforge.runtime.fsdp import cpu_unsupported_reason
+
+    name = "fsdp"
+    backend = "nccl" if gpus >= 2 and nccl else "gloo"
+    nproc = gpus if backend == "nccl" else 2
+    if backend == "gloo" and (reason := cpu_unsupported_reason()):
+        return skip(name, f"{reason}; `fsdp: true` needs 2+ GPUs here (on CPU it runs with a newer torch)")
+    start = time.perf_counter()
+    ran = _run_ranks(backend, timeout, code, nproc)
+    took = f"({time.perf_counter() - start:.1f} s)"
+    fixes = NCCL_FIXES if backend == "nccl" else GLOO_FIXES
+    if ran is None:
+        return fail(name, f"{nproc}-process {backend} FSDP2 step: {_hung(timeout, nproc)} {took}", fixes)
+    procs, outputs = ran
+    try:
+        norms = [tuple(map(float, out.strip().splitlines()[-1].split())) for out, _ in outputs]
+    except (ValueError, IndexError):
+        norms = []
+    if any(p.returncode for p in procs) or len(norms) != nproc:
+        return fail(name, f"{nproc}-process {backend} FSDP2 step: {_errors(procs, outputs)} {took}", fixes)
+    gap = max(abs(got - want) / max(abs(want), 1e-12) for got, want in norms)
+    evidence = (f"{nproc}-process {backend} FSDP2 step of a 2-layer Llama: gradient norm {norms[0][0]:.6g}, one "
+                f"unsharded process {norms[0][1]:.6g} (relative gap {gap:.1e}) {took}")
+    if gap > FSDP_TOLERANCE:
+        return fail(name, evidence, "the sharded gradients are wrong: report it with `ppoforge doctor --json` "
+                                    "and the torch version; train with fsdp: false meanwhile")
+    return ok(name, evidence)
 
 
 # ---- multi-node rendezvous -------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ppoforge.doctor.report import (
 )
 from ppoforge.errors import UserError
 
-SLOW = ("allreduce", "rendezvous", "control_smoke", "lm_smoke", "chat_template")  # skipped by --quick
+SLOW = ("allreduce", "fsdp", "rendezvous", "control_smoke", "lm_smoke", "chat_template")  # skipped by --quick
 QUICK_SKIP = "not run (--quick)"
 
 
@@ -120,6 +120,7 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("dist_backends", lambda: distributed.check_dist_backends(dist)),
         ("allreduce", lambda: distributed.check_allreduce(facts.torch_count, dist.nccl,
                                                           opts.allreduce_timeout)),
+        ("fsdp", lambda: distributed.check_fsdp(facts.torch_count, dist.nccl, 2 * opts.allreduce_timeout)),
         ("rendezvous", lambda: distributed.check_rendezvous(distributed.rendezvous_target(
             opts.rdzv_endpoint, opts.nnodes, opts.node_rank, dict(os.environ)))),
         ("shm", lambda: distributed.check_shm(distributed.shm_bytes(), container is not None)),
