@@ -60,7 +60,7 @@ CAPABILITIES = (
     Capability("multigpu", "multi-GPU (DDP over NCCL)", ("dist_backends", "allreduce"), min_gpus=2),
     Capability("multinode", "multi-node (rendezvous at MASTER_ADDR / --rdzv-endpoint, then DDP)",
                ("dist_backends", "allreduce", "rendezvous")),
-    Capability("fsdp", "FSDP2 sharding (`fsdp: true`, the full layout under torchrun)", ("dist_backends", "fsdp")),
+    Capability("fsdp", "FSDP2 sharding (fsdp: true)", ("dist_backends", "fsdp")),
     Capability("notebook", "notebook access", ("jupyter",)),
     Capability("checkpoints", "persistent checkpoints", ("runs_dir", "checkpoint_roundtrip")),
 )
