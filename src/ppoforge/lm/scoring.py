@@ -94,6 +94,7 @@ class RolloutScoring:
         diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap)
         fix = ("old log-probs and values come from a training forward every update (one more forward)"
                if what == "policy" else "the reference runs through Hugging Face's forward")
-        print(f"ppoforge: the fast {what} path differs from the training forward ({diff}) on {self.where}: {fix}",
-              file=sys.stderr)
+        if distributed.is_main():  # the ranks decided alike: one note
+            print(f"ppoforge: the fast {what} path differs from the training forward ({diff}) on {self.where}: "
+                  f"{fix}", file=sys.stderr)
         return False
