@@ -345,3 +345,61 @@ def test_fsdp_bf16_reference_computes_what_the_policy_computes(tiny_lm_dir, prom
     assert run.returncode == 0, run.stderr[-3000:]
     first = read_metrics(tmp_path / "r" / "metrics.jsonl")[0]
     assert first["objective/kl"] == 0.0
+
+
+@pytest.mark.slow
+@needs_fsdp
+@pytest.mark.parametrize("kind", ["sft", "reward"])
+def test_fsdp_sft_and_reward_two_ranks_equal_one_plain_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path):
+    """SFT and reward training, full layout, FSDP2 on 2 ranks: the last batch (1 item) leaves rank 1 a
+    zero-weight micro-batch, so both ranks run the same forwards; the same weights and metrics as one
+    process, a sharded checkpoint and a gathered export."""
+    model = tiny_lm_dir if kind == "sft" else tiny_reward_model_dir
+    one, two = tmp_path / "one", tmp_path / "two"
+    fsdp = ["--layout", "full", "--fsdp", "true", "--learning-rate", "1e-3"]
+    assert main([*_supervised_args(kind, model, tmp_path, one), *fsdp]) == 0
+    run = launch([*_supervised_args(kind, model, tmp_path, two), *fsdp])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(list((two / "checkpoint").glob("*.distcp"))) == 2
+    _assert_same_params(_sharded_weights(one, tmp_path), _sharded_weights(two, tmp_path), atol=1e-5)
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1, 2, 3]
+    for a, b in zip(m1, m2, strict=True):
+        for key, value in _strip([a])[0].items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    _assert_same_params(load_file(one / "model" / "model.safetensors"), load_file(two / "model" / "model.safetensors"),
+                        atol=1e-5)
+
+
+@pytest.mark.slow
+@needs_fsdp
+def test_fsdp_sft_resumes_two_to_one(tiny_lm_dir, tmp_path):
+    """Half an epoch on 2 sharded ranks, then the rest in one process, equals the same two legs in one
+    process (the learning-rate schedule follows `epochs`, so both paths resume alike)."""
+    fsdp = ["--layout", "full", "--fsdp", "true", "--learning-rate", "1e-3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main([*_supervised_args("sft", tiny_lm_dir, tmp_path, one), *fsdp, "--epochs", "0.5"]) == 0
+    run = launch([*_supervised_args("sft", tiny_lm_dir, tmp_path, two), *fsdp, "--epochs", "0.5"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    for run_dir in (one, two):
+        assert main(["train", "sft", "--resume", str(run_dir), "--epochs", "1"]) == 0
+        assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1] == 3
+    _assert_same_params(_sharded_weights(one, tmp_path), _sharded_weights(two, tmp_path), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sft", "reward"])
+def test_supervised_fsdp_needs_the_full_layout(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path, capsys):
+    model = tiny_lm_dir if kind == "sft" else tiny_reward_model_dir
+    assert main([*_supervised_args(kind, model, tmp_path, tmp_path / "r"), "--fsdp", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fsdp: shards a fully trained model; layout lora trains adapters" in err[0], err
+
+
+def test_supervised_fsdp_at_world_one_writes_a_sharded_checkpoint(tiny_lm_dir, tmp_path):
+    """Without torchrun `fsdp` shards nothing; the checkpoint is in the format any world size resumes."""
+    run_dir = tmp_path / "r"
+    assert main([*_supervised_args("sft", tiny_lm_dir, tmp_path, run_dir), "--layout", "full", "--fsdp", "true",
+                 "--epochs", "0.5"]) == 0
+    assert (run_dir / "checkpoint" / ".metadata").is_file() and not (run_dir / "checkpoint.pt").exists()
+    assert main(["train", "sft", "--resume", str(run_dir), "--epochs", "1"]) == 0
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1] == 3

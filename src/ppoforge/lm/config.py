@@ -246,6 +246,9 @@ class SupervisedConfig(FaultConfig):
     tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")
     layout: str = param("lora", "lora: train LoRA adapters on a frozen base (merged on export); full: every "
                         "weight", choices=("lora", "full"))
+    fsdp: bool = param(False, "full layout under torchrun: shard the model over the ranks with FSDP2 (each rank "
+                       "keeps 1/world of the weights and optimizer state); checkpoints through "
+                       "torch.distributed.checkpoint, which resume on any world size")
     lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
     lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
@@ -285,6 +288,12 @@ class SupervisedConfig(FaultConfig):
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide batch_size "
                             f"{self.batch_size}; allowed: a divisor of batch_size")
+        if self.fsdp and self.layout != "full":
+            raise UserError(f"fsdp: shards a fully trained model; layout {self.layout} trains adapters, which plain "
+                            "data parallelism replicates; allowed: layout full, or fsdp false")
+        if self.fsdp and self.precision == "fp16":
+            raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
+                            "all-reduce across ranks); allowed: fp32, bf16, auto")
 
 
 @dataclass

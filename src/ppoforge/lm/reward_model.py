@@ -28,6 +28,7 @@ from ppoforge.runtime import distributed
 
 class RewardTask:
     name = "reward"
+    sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
     def __init__(self, cfg: RewardConfig, run_dir: Path):
         from ppoforge.lm.models import load_reward_model
@@ -56,6 +57,22 @@ class RewardTask:
     def trainable(self):
         return self._trainable
 
+    def shard(self, precision: str) -> None:
+        """FSDP2 over the ranks (runtime/fsdp.py): each layer a group, the model (its score head) the root."""
+        from ppoforge.runtime.fsdp import full_weights, shard_model
+
+        shard_model(self.model, precision)
+        with full_weights(self.model):  # the first gather outside inference mode (see FullLayout.shard)
+            pass
+        self._trainable = list(self.model.named_parameters())
+        self.sharded = True
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        return self.model
+
+    def release(self) -> None:
+        pass  # every group reshards after its forward
+
     def size(self, item: Pair) -> int:
         return max(len(item.chosen), len(item.rejected))
 
@@ -80,14 +97,16 @@ class RewardTask:
     def evaluate(self, items) -> dict:
         gaps = [torch.sub(*self.rewards(items[s:s + self.cfg.micro_batch_size])).float()
                 for s in range(0, len(items), self.cfg.micro_batch_size)]
-        gaps = torch.tensor(distributed.gather_rows(torch.cat(gaps).tolist() if gaps else []))  # every rank's
+        gaps = torch.cat(gaps).tolist() if gaps else []
+        # every rank's (sharded, every rank scored every pair: FSDP's lockstep)
+        gaps = torch.tensor(gaps if self.sharded else distributed.gather_rows(gaps))
         if distributed.is_main():
             plot_gaps(gaps, self.run_dir / "reward_gaps.png")
         return {"eval/accuracy": float((gaps > 0).float().mean()), "eval/gap": float(gaps.mean()),
                 "eval/pairs": len(gaps)}
 
     def export(self, path: Path) -> None:
-        export_model(self.model, self.tokenizer, path)
+        export_model(self.model, self.tokenizer, path, self.sharded)
 
 
 def is_causal(model_type: str) -> bool:
@@ -121,9 +140,7 @@ def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
 
 def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
-    from ppoforge.runtime.checkpoint import resume_from
-
     trainer = SupervisedTrainer(cfg, run_dir, RewardTask(cfg, run_dir))
     if resume:
-        resume_from(trainer, Path(run_dir) / "checkpoint.pt")
+        trainer.resume()
     return trainer.run()

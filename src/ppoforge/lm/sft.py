@@ -39,16 +39,39 @@ def lora_wrap(model, cfg: SupervisedConfig, task_type: str):
     return get_peft_model(model, lora).eval()
 
 
-def export_model(model, tokenizer, path: Path) -> None:
-    """save_pretrained of the trained model (LoRA merged in fp32 from a copy) and its tokenizer."""
+def export_model(model, tokenizer, path: Path, sharded: bool = False) -> None:
+    """save_pretrained of the trained model (LoRA merged in fp32 from a copy) and its tokenizer. Sharded
+    (FSDP2), every rank gathers the weights with the others and rank 0 writes them."""
+    if sharded:
+        from ppoforge.runtime.fsdp import full_state_dict
+
+        state = full_state_dict(model)  # collective
+        if distributed.is_main():
+            model.save_pretrained(path, state_dict=state)
+            tokenizer.save_pretrained(path)
+        return
     if hasattr(model, "merge_and_unload"):
         model = copy.deepcopy(model).float().merge_and_unload()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 
+class Backbone(torch.nn.Module):
+    """The causal LM's backbone as one module call, its last hidden states: under FSDP2 the root group
+    (embeddings and final norm), whose hooks a direct call of `lm.base_model` would bypass; the LM head
+    runs on its output (`shard_model(reshard_root=False)`, as lm/policy.py's `Trunk`)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **kwargs) -> torch.Tensor:
+        return self.lm.base_model(**kwargs).last_hidden_state
+
+
 class SFTTask:
     name = "sft"
+    sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
     def __init__(self, cfg: SFTConfig, run_dir: Path):
         from ppoforge.lm.models import load_causal_lm
@@ -67,6 +90,7 @@ class SFTTask:
         model = load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
         self.model = lora_wrap(model, cfg, "CAUSAL_LM") if cfg.layout == "lora" else model.train(False)
         self.lm = self.model.get_base_model() if cfg.layout == "lora" else self.model
+        self.backbone = Backbone(self.lm).eval()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.lm)
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if cfg.layout == "full" or "lora_" in n]
@@ -75,6 +99,25 @@ class SFTTask:
 
     def trainable(self):
         return self._trainable
+
+    def shard(self, precision: str) -> None:
+        """FSDP2 over the ranks (runtime/fsdp.py): each decoder layer a group, `Backbone` the root."""
+        from ppoforge.runtime.fsdp import full_weights, shard_model
+
+        shard_model(self.backbone, precision, reshard_root=False)  # the LM head runs after its forward
+        with full_weights(self.backbone):  # the first gather outside inference mode (see FullLayout.shard)
+            pass
+        self._trainable = list(self.model.named_parameters())
+        self.sharded = True
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        return self.backbone
+
+    def release(self) -> None:
+        if self.sharded:
+            from ppoforge.runtime.fsdp import reshard
+
+            reshard(self.backbone)
 
     def size(self, item: list[Example]) -> int:
         return sum(len(ex.ids) for ex in item)
@@ -91,9 +134,9 @@ class SFTTask:
                      "position_ids": batch.positions()}
         else:  # one right-padded example per row: the causal mask alone is exact for every real token (the
             masks = {}  # padding comes after them), and SDPA's is_causal kernel skips the masked half
-        out = backbone(input_ids=batch.ids, use_cache=False, **masks)
+        hidden = self.backbone(input_ids=batch.ids, use_cache=False, **masks)
         targets = batch.loss_mask[:, 1:].bool()
-        hidden = out.last_hidden_state[:, :-1][targets]  # (N, H): positions that predict a target
+        hidden = hidden[:, :-1][targets]  # (N, H): positions that predict a target
         return token_logprobs(self.lm.get_output_embeddings()(hidden), batch.ids[:, 1:][targets], entropy=False)[0]
 
     def loss(self, items):
@@ -106,9 +149,16 @@ class SFTTask:
         for s in range(0, len(items), self.cfg.micro_batch_size):
             logp = self._target_logprobs(items[s:s + self.cfg.micro_batch_size])
             total, tokens = total - float(logp.sum()), tokens + logp.numel()
-        total, tokens = distributed.all_sum(torch.tensor([total, tokens], dtype=torch.float64)).tolist()
+        if not self.sharded:  # sharded, every rank scored every item (FSDP's lockstep)
+            total, tokens = distributed.all_sum(torch.tensor([total, tokens], dtype=torch.float64)).tolist()
         loss = total / max(tokens, 1)
-        if distributed.is_main():
+        if self.sharded:  # every rank samples the same completions in lockstep, each layer gathered per step
+            from ppoforge.runtime.fsdp import full_weights
+
+            with full_weights(self.backbone):
+                self._write_samples()
+            self.release()
+        elif distributed.is_main():
             self._write_samples()
         return {"eval/loss": loss, "eval/perplexity": float(torch.tensor(loss).exp())}
 
@@ -129,6 +179,8 @@ class SFTTask:
         lengths = samples.response_mask.sum(1).long().tolist()
         rows = [r[:n] for r, n in zip(samples.response_ids.tolist(), lengths, strict=True)]
         texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        if not distributed.is_main():
+            return
         with (self.run_dir / "samples.jsonl").open("a") as f:
             for p, t in zip(prompts, texts, strict=True):
                 f.write(json.dumps({"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": t}) + "\n")
@@ -141,7 +193,7 @@ class SFTTask:
         return self.tokenizer(messages[-1]["content"])["input_ids"]
 
     def export(self, path: Path) -> None:
-        export_model(self.model, self.tokenizer, path)
+        export_model(self.model, self.tokenizer, path, self.sharded)
 
 
 def _prompt_of(row: dict):
@@ -156,9 +208,7 @@ def _prompt_of(row: dict):
 
 def train(cfg: SFTConfig, run_dir: Path, resume: bool = False) -> dict:
     """Fine-tune (or, with resume, continue) in `run_dir`; the model is exported to run_dir/model."""
-    from ppoforge.runtime.checkpoint import resume_from
-
     trainer = SupervisedTrainer(cfg, run_dir, SFTTask(cfg, run_dir))
     if resume:
-        resume_from(trainer, Path(run_dir) / "checkpoint.pt")
+        trainer.resume()
     return trainer.run()

@@ -39,6 +39,7 @@ from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
 from ppoforge.runtime.rundir import atomic_write_text
 
 CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
 
 
 class Task(Protocol):
@@ -61,6 +62,16 @@ class Task(Protocol):
     #   combined over the ranks (the same on every rank); rank 0 writes what goes into the run dir
 
     def export(self, path: Path) -> None: ...  # save_pretrained of the trained model and its tokenizer
+    #   (rank 0's call; every rank's when sharded: it gathers the weights)
+
+    sharded: bool  # FSDP2: the model's weights are shards (`shard`, the full layout with `fsdp` under torchrun)
+
+    def shard(self, precision: str) -> None: ...  # FSDP2 groups over the ranks; trainable() then the shards
+
+    def checkpoint_module(self) -> torch.nn.Module: ...  # the trained model under names torch.distributed.
+    #   checkpoint keeps whatever the world size
+
+    def release(self) -> None: ...  # free what a no-grad pass left gathered
 
 
 class SupervisedTrainer:
@@ -68,9 +79,18 @@ class SupervisedTrainer:
         self.cfg, self.run_dir, self.task = cfg, Path(distributed.rank0_value(str(run_dir))), task
         self.world = distributed.world()  # joined in `prepare`, before the task built its model
         distributed.shard(cfg.batch_size, "batch_size")  # a global batch that divides by the ranks
-        self.precision = make_precision(cfg.precision, task.device)
+        # FSDP2 (`fsdp` under torchrun): FSDP casts the weights (bf16) in place of autocast, reduces the
+        # gradients itself, and every rank runs every micro-batch's forward/backward (`_gradients`)
+        self.sharded = cfg.fsdp and self.world.size > 1
+        if self.sharded:
+            from ppoforge.runtime.precision import resolve_precision
+
+            distributed.broadcast_params([p for _, p in task.trainable()])
+            task.shard(resolve_precision(cfg.precision, task.device))
+        self.precision = make_precision("fp32" if self.sharded else cfg.precision, task.device)
         self.params = [p for _, p in task.trainable()]
-        distributed.broadcast_params(self.params)
+        if not self.sharded:
+            distributed.broadcast_params(self.params)
         distributed.reseed(cfg.seed)
         self.stat_keys: list[str] | None = None  # the task's stats, fixed by the first step (all-reduce layout)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -83,23 +103,47 @@ class SupervisedTrainer:
         self.update, self.cursor, self.lr_scale, self.optimizing = 0, 0, 1.0, False
         self.micro_batch = cfg.micro_batch_size
         self._order = (-1, None)
-        self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train {task.name} --resume {run_dir}")
+        self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
+        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train {task.name} --resume {run_dir}",
+                                  write=self._save_sharded if cfg.fsdp else None)
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"trainable": {n: p.detach().clone() for n, p in self.task.trainable()},
-                "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict(),
-                "config": config_to_dict(self.cfg), **self.light_state()}
+        """The whole state; with `fsdp` all but the weights and optimizer, which `_save_sharded` writes."""
+        weights = {} if self.cfg.fsdp else {"trainable": {n: p.detach().clone() for n, p in self.task.trainable()},
+                                            "optimizer": self.optimizer.state_dict()}
+        return {**weights, "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg),
+                **self.light_state()}
 
     def light_state(self) -> dict:
         return {"rng": rng_state(), "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
                 "lr_scale": self.lr_scale}
 
+    def _save_sharded(self, state: dict) -> None:
+        """`fsdp`: every rank writes its shards of the weights and optimizer; rank 0 the rest (`state`)."""
+        from ppoforge.runtime.fsdp import save_sharded
+
+        save_sharded(self.checkpoint, self.task.checkpoint_module(), self.optimizer, state)
+
+    def resume(self) -> None:
+        """Continue from the run dir's checkpoint, whatever world size wrote it."""
+        if not self.cfg.fsdp:
+            from ppoforge.runtime.checkpoint import resume_from
+
+            resume_from(self, self.checkpoint)
+            return
+        from ppoforge.runtime.fsdp import load_sharded
+
+        self.load(load_sharded(self.checkpoint, self.task.checkpoint_module(), self.optimizer))
+        self.run_guard.saved_update = self.update
+
     def load(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, p in self.task.trainable():
-                p.copy_(state["trainable"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume`)."""
+        if "trainable" in state:
+            with torch.no_grad():
+                for name, p in self.task.trainable():
+                    p.copy_(state["trainable"][name])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         set_rng_state(state["rng"])
         self.update, self.cursor = state["update"], state["cursor"]
@@ -109,7 +153,10 @@ class SupervisedTrainer:
     def rollback(self) -> None:
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
         distributed.barrier()  # rank 0's checkpoint is on disk
-        self.load(load_checkpoint(self.run_dir / CHECKPOINT))
+        if self.cfg.fsdp:
+            self.resume()
+        else:
+            self.load(load_checkpoint(self.checkpoint))
         self.guard.counts.update(counts)
         self.lr_scale = scale
         if self.world.is_main:
@@ -140,24 +187,29 @@ class SupervisedTrainer:
         the batch-mean loss and stats. Micro-batches take the items in order of size, so each pads to
         less; the token-share weights make the sum the batch's gradient whatever the split."""
         total = self.task.units(items)  # the whole (global) batch's units: the single-process weights
-        items = sorted(items[distributed.uneven_shard(len(items))], key=self.task.size)  # this rank's
+        mine = sorted(items[distributed.uneven_shard(len(items))], key=self.task.size)  # this rank's
+        # sharded, every rank runs as many micro-batches as the rank with the most items (FSDP's forward and
+        # backward are collectives); a rank's extra ones are a real item weighted 0
+        most = math.ceil(len(items) / self.world.size) if self.sharded else len(mine)  # uneven_shard's largest
+        scale = self.world.size if self.sharded else 1  # FSDP averages the ranks' gradients: x world sums them
         while True:
+            n_micro = math.ceil(most / self.micro_batch)
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss_sum, stats = torch.zeros((), device=self.task.device), {}
                 with self.precision.weight_cache():
-                    for s in range(0, len(items), self.micro_batch):
-                        micro = items[s:s + self.micro_batch]
-                        share = token_share(self.task.units(micro).reshape(1), total)
+                    for s in range(0, n_micro * self.micro_batch, self.micro_batch):
+                        micro = mine[s:s + self.micro_batch]
+                        share = token_share(self.task.units(micro).reshape(1), total) if micro else 0.0
                         with self.precision.autocast():
-                            loss, mb_stats = self.task.loss(micro)
-                        self.precision.backward(loss * share)
+                            loss, mb_stats = self.task.loss(micro or items[:1])
+                        self.precision.backward(loss * share * scale)
                         loss_sum += share * loss.detach()
                         for k, v in mb_stats.items():
                             stats[k] = stats.get(k, 0) + share * v
                 return loss_sum, stats
             except Exception as e:
-                if not is_oom(e):
+                if not is_oom(e) or self.sharded:  # sharded: a rank alone redoing it would break the lockstep
                     raise
                 self.micro_batch = halve(self.micro_batch, "micro-batch", e)
 
@@ -170,7 +222,8 @@ class SupervisedTrainer:
         zero = torch.zeros((), device=self.task.device)
         extra = torch.stack([loss.reshape(()), *(torch.as_tensor(stats.get(k, zero)).reshape(()).to(zero)
                                                   for k in self.stat_keys)]).float()
-        summed = distributed.all_reduce_grads(self.params, extra)
+        # one all-reduce (sharded: of the loss and stats alone, FSDP reduced the gradients in backward)
+        summed = distributed.all_sum(extra) if self.sharded else distributed.all_reduce_grads(self.params, extra)
         return summed[0], dict(zip(self.stat_keys, summed[1:], strict=True))
 
     def train_one_update(self) -> dict:
@@ -201,8 +254,10 @@ class SupervisedTrainer:
         items = self.task.eval_items
         if not items:
             return {}
-        with self.precision.autocast():
-            return self.task.evaluate(items[distributed.uneven_shard(len(items))])
+        with self.precision.autocast():  # sharded, every rank scores every item (FSDP's lockstep)
+            metrics = self.task.evaluate(items if self.sharded else items[distributed.uneven_shard(len(items))])
+        self.task.release()
+        return metrics
 
     def run(self) -> dict:
         """Train to the end (or a stop signal); returns the last metrics, eval included."""
@@ -232,8 +287,8 @@ class SupervisedTrainer:
                 if cfg.nonfinite_action == "rollback":
                     self.run_guard.save()
             stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
-            if self.update == self.total_steps and not stopped and main:
-                self.task.export(self.run_dir / "model")
+            if self.update == self.total_steps and not stopped and (main or self.sharded):
+                self.task.export(self.run_dir / "model")  # sharded, every rank takes part in gathering
         finally:
             progress.close()
             logger.close()
