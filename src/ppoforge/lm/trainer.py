@@ -19,7 +19,10 @@ asymmetric (`clip_high`, DAPO's). `kl_coef: 0` skips the reference pass.
 Under torchrun (`runtime/distributed.py`) each rank samples and scores its contiguous slice of the
 global batch's prompts (whole groups) with its slice of the globally drawn uniforms, takes each
 mini-batch's rows it owns from one global permutation, and all-reduces the gradients once per optimizer
-step: any world size trains the single-process run's numbers.
+step: any world size trains the single-process run's numbers. With `fsdp` (the full layout sharded by
+FSDP2, `FullLayout.shard`) the rollout is all-gathered after the advantages and every rank trains an equal
+slice of each mini-batch (FSDP's forward and backward are collectives), FSDP reduces the gradients, the
+decoder reads the policy gathered whole, and checkpoints are sharded (`checkpoint/`, any world size).
 Left out: reward-model training, value-head warm-up, per-token entropy
 regularization beyond `ent_coef`, DAPO's dynamic sampling and overlong shaping.
 """
