@@ -1,7 +1,9 @@
 """LM PPO and GRPO under torchrun (gloo, 2 CPU processes): the same parameters as one process with the
 same global batch, rank-0-only run-dir writes, resume on another world size, and one rank's failure as
 one line on all. Tolerance: fp32, 1e-6 absolute (the only difference is float summation order: each
-rank's forward runs half the rows, and the gradients are summed over ranks)."""
+rank's forward runs half the rows, and the gradients are summed over ranks). Then FSDP2 (`fsdp: true`,
+the full layout of RLHF, SFT and reward training): 2 sharded ranks against one plain process (1e-5),
+resume 2 <-> 1, the gathered export; skipped where torch cannot run FSDP2 on CPU (2.6)."""
 
 import json
 import os
@@ -25,6 +27,12 @@ PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "de
            "write about the sun", "describe my morning"]
 SRC = str(Path(ppoforge.__file__).parents[1])
 ATOL = 1e-6
+FSDP_SKIP = None
+if not hasattr(torch.cpu.Stream, "record_event"):  # runtime/fsdp.py's cpu_unsupported_reason, without importing it
+    FSDP_SKIP = (f"FSDP2 on CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks (its "
+                 "first all-gather fails); the world-1 fsdp path runs on it")
+needs_fsdp = pytest.mark.skipif(FSDP_SKIP is not None, reason=str(FSDP_SKIP))
+FSDP = dict(layout="full", fsdp="true", learning_rate=1e-3)
 
 
 def _args(model, prompts, run_dir, **overrides):
@@ -138,16 +146,25 @@ RAISING = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["raises", "hangs"])
+@pytest.mark.parametrize("how", ["raises", "hangs", "raises-fsdp"])
 def test_one_rank_failing_stops_all_with_one_line(tiny_lm_dir, prompts_file, tmp_path, how):
+    """With fsdp the checkpoint is collective: every rank knows of the error, so every rank writes its
+    shards of the state at the failing update's start."""
+    if how == "raises-fsdp" and FSDP_SKIP:
+        pytest.skip(FSDP_SKIP)
     (tmp_path / "ddp_rewards.py").write_text(RAISING)
-    fn = "raise_on_rank1" if how == "raises" else "hang_on_rank1"
+    fn = "hang_on_rank1" if how == "hangs" else "raise_on_rank1"
     args = _args(tiny_lm_dir, prompts_file, tmp_path / "r", reward=f"py:ddp_rewards:{fn}", total_updates=2,
-                 dist_timeout=8, call_timeout=600)
+                 dist_timeout=8, call_timeout=600, **(FSDP if how == "raises-fsdp" else {}))
     run = launch(args, timeout=120, extra_path=[tmp_path])
     lines = [line for line in run.stderr.splitlines() if line.startswith("ppoforge: error:")]
     assert run.returncode != 0
-    if how == "raises":
+    if how == "raises-fsdp":
+        assert len(lines) == 1 and "rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError" in lines[0]
+        assert "checkpoint at update 0" in lines[0], lines
+        assert len(list((tmp_path / "r" / "checkpoint").glob("*.distcp"))) == 2
+        assert torch.load(tmp_path / "r" / "checkpoint" / "extra.pt", weights_only=True)["update"] == 0
+    elif how == "raises":
         assert len(lines) == 1, run.stderr[-3000:]  # rank 0's; rank 1 leaves the line to it
         assert lines[0].startswith("ppoforge: error: rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError: "
                                    "boom on purpose; checkpoint at update 0: continue with "), lines
@@ -242,14 +259,6 @@ def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp
 
 
 # ---- FSDP2 (`fsdp: true`, the full layout): 2 sharded ranks against 1 plain process -----------------------
-
-FSDP_SKIP = None
-if not hasattr(torch.cpu.Stream, "record_event"):  # runtime/fsdp.py's cpu_unsupported_reason, without importing it
-    FSDP_SKIP = (f"FSDP2 on CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks (its "
-                 "first all-gather fails); the world-1 fsdp path runs on it")
-needs_fsdp = pytest.mark.skipif(FSDP_SKIP is not None, reason=str(FSDP_SKIP))
-FSDP = dict(layout="full", fsdp="true", learning_rate=1e-3)
-
 
 def _sharded_weights(run_dir, tmp_path) -> dict:
     """The trained weights of a run dir's sharded checkpoint, gathered into one dict (any world size)."""
@@ -369,22 +378,6 @@ def test_fsdp_sft_and_reward_two_ranks_equal_one_plain_rank(kind, tiny_lm_dir, t
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     _assert_same_params(load_file(one / "model" / "model.safetensors"), load_file(two / "model" / "model.safetensors"),
                         atol=1e-5)
-
-
-@pytest.mark.slow
-@needs_fsdp
-def test_fsdp_sft_resumes_two_to_one(tiny_lm_dir, tmp_path):
-    """Half an epoch on 2 sharded ranks, then the rest in one process, equals the same two legs in one
-    process (the learning-rate schedule follows `epochs`, so both paths resume alike)."""
-    fsdp = ["--layout", "full", "--fsdp", "true", "--learning-rate", "1e-3"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main([*_supervised_args("sft", tiny_lm_dir, tmp_path, one), *fsdp, "--epochs", "0.5"]) == 0
-    run = launch([*_supervised_args("sft", tiny_lm_dir, tmp_path, two), *fsdp, "--epochs", "0.5"])
-    assert run.returncode == 0, run.stderr[-3000:]
-    for run_dir in (one, two):
-        assert main(["train", "sft", "--resume", str(run_dir), "--epochs", "1"]) == 0
-        assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1] == 3
-    _assert_same_params(_sharded_weights(one, tmp_path), _sharded_weights(two, tmp_path), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["sft", "reward"])
