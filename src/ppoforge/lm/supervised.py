@@ -10,7 +10,10 @@ gradient), the non-finite guard, OOM halving of the micro-batch, `RunGuard` chec
 (seed, epoch) and a cursor: a resumed run sees exactly the batches the uninterrupted one would.
 Under torchrun every rank draws the same global batch and trains its slice of it; the loss units are
 counted over the whole batch (every rank holds all items, so no collective is needed for it), and the
-gradients, loss and stats are all-reduced once per step. Evaluation and every run-dir write are rank 0's.
+gradients, loss and stats are all-reduced once per step. Evaluation is sharded the same way (the task
+combines the ranks' sums); every run-dir write is rank 0's. With `fsdp` (the full layout sharded by FSDP2,
+`Task.shard`) FSDP reduces the gradients, every rank runs as many micro-batches as the rank with the most
+items (FSDP's forward and backward are collectives), and every rank evaluates every held-out item.
 """
 
 from __future__ import annotations
