@@ -32,7 +32,7 @@ from ppoforge.config import config_to_dict, save_config
 from ppoforge.core.accumulation import token_share
 from ppoforge.lm.config import SupervisedConfig
 from ppoforge.runtime import distributed, trust
-from ppoforge.runtime.checkpoint import load_checkpoint, rng_state, seed_everything, set_rng_state
+from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, truncate_metrics
 from ppoforge.runtime.oom import halve, is_oom
@@ -107,8 +107,10 @@ class SupervisedTrainer:
         self.micro_batch = cfg.micro_batch_size
         self._order = (-1, None)
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
+        self.sharded_module = task.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
         self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train {task.name} --resume {run_dir}",
-                                  write=self._save_sharded if cfg.fsdp else None)
+                                  write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
+                                  if cfg.fsdp else None)
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -122,26 +124,12 @@ class SupervisedTrainer:
         return {"rng": rng_state(), "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
                 "lr_scale": self.lr_scale}
 
-    def _save_sharded(self, state: dict) -> None:
-        """`fsdp`: every rank writes its shards of the weights and optimizer; rank 0 the rest (`state`)."""
-        from ppoforge.runtime.fsdp import save_sharded
-
-        save_sharded(self.checkpoint, self.task.checkpoint_module(), self.optimizer, state)
-
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
-        if not self.cfg.fsdp:
-            from ppoforge.runtime.checkpoint import resume_from
-
-            resume_from(self, self.checkpoint)
-            return
-        from ppoforge.runtime.fsdp import load_sharded
-
-        self.load(load_sharded(self.checkpoint, self.task.checkpoint_module(), self.optimizer))
-        self.run_guard.saved_update = self.update
+        resume_from(self, self.checkpoint, self.sharded_module)
 
     def load(self, state: dict) -> None:
-        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume`)."""
+        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
         if "trainable" in state:
             with torch.no_grad():
                 for name, p in self.task.trainable():
@@ -156,10 +144,7 @@ class SupervisedTrainer:
     def rollback(self) -> None:
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
         distributed.barrier()  # rank 0's checkpoint is on disk
-        if self.cfg.fsdp:
-            self.resume()
-        else:
-            self.load(load_checkpoint(self.checkpoint))
+        self.resume()
         self.guard.counts.update(counts)
         self.lr_scale = scale
         if self.world.is_main:

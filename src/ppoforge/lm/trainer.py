@@ -50,7 +50,7 @@ from ppoforge.lm.sampler import Samples, SamplingParams, concat_samples, draw_un
 from ppoforge.lm.scoring import RolloutScoring
 from ppoforge.lm.setup import Components, build_components
 from ppoforge.runtime import distributed, trust
-from ppoforge.runtime.checkpoint import load_checkpoint, resume_from, rng_state, seed_everything, set_rng_state
+from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.oom import halve, is_oom
@@ -138,8 +138,10 @@ class RLHFTrainer:
         self.micro_batch, self.gen_batch = cfg.micro_batch_size, cfg.rollout_size  # halved on out-of-memory
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
+        self.sharded_module = self.layout.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
         self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train rlhf --resume {self.run_dir}",
-                                  write=self._save_sharded if cfg.fsdp else None)
+                                  write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
+                                  if cfg.fsdp else None)
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -158,24 +160,12 @@ class RLHFTrainer:
                 "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
                 "lr_scale": self.lr_scale}
 
-    def _save_sharded(self, state: dict) -> None:
-        """`fsdp`: every rank writes its shards of the weights and optimizer; rank 0 the rest (`state`)."""
-        from ppoforge.runtime.fsdp import save_sharded
-
-        save_sharded(self.checkpoint, self.layout.checkpoint_module(), self.optimizer, state)
-
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
-        if not self.cfg.fsdp:
-            resume_from(self, self.checkpoint)
-            return
-        from ppoforge.runtime.fsdp import load_sharded
-
-        self.load(load_sharded(self.checkpoint, self.layout.checkpoint_module(), self.optimizer))
-        self.run_guard.saved_update = self.update
+        resume_from(self, self.checkpoint, self.sharded_module)
 
     def load(self, state: dict) -> None:
-        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume`)."""
+        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
         if "trainable" in state:
             with torch.no_grad():
                 for name, p in self.layout.named_trainable():
@@ -194,10 +184,7 @@ class RLHFTrainer:
         """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
         counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
         distributed.barrier()  # rank 0's checkpoint is on disk
-        if self.cfg.fsdp:
-            self.resume()
-        else:
-            self.load(load_checkpoint(self.checkpoint, map_location="cpu"))
+        self.resume()
         self.guard.counts.update(counts)
         self.lr_scale = scale
         for name in ("metrics.jsonl", "completions.jsonl"):  # the steps after it are run again

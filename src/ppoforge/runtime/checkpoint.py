@@ -63,10 +63,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resume_from(trainer, path: Path) -> None:
+def sharded_writer(path: Path, module, optimizer):
+    """RunGuard's `write` for a sharded checkpoint directory at `path` (FSDP2, runtime/fsdp.py): every rank
+    writes its shards of `module` and `optimizer`, rank 0 the rest of the state."""
+    from ppoforge.runtime.fsdp import save_sharded
+
+    return lambda state: save_sharded(path, module, optimizer, state)
+
+
+def resume_from(trainer, path: Path, sharded=None) -> None:
     """Load `path` into `trainer` (its `load(state)`), or a one-line UserError when the checkpoint does
-    not fit the run (another model, layout or size than the config says: a run dir edited by hand)."""
-    state = load_checkpoint(path, map_location="cpu")
+    not fit the run (another model, layout or size than the config says: a run dir edited by hand).
+    `sharded`: the trainer's model, for a sharded checkpoint directory (`sharded_writer`) whatever world
+    size wrote it; its weights and `trainer.optimizer` load there, the rest through `load`."""
+    if sharded is not None:
+        from ppoforge.runtime.fsdp import load_sharded
+
+        state = load_sharded(path, sharded, trainer.optimizer)
+    else:
+        state = load_checkpoint(path, map_location="cpu")
     try:
         trainer.load(state)
     except (KeyError, RuntimeError, ValueError, IndexError) as e:
