@@ -114,7 +114,7 @@ class SupervisedTrainer:
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The whole state; with `fsdp` all but the weights and optimizer, which `_save_sharded` writes."""
+        """The whole state; with `fsdp` all but the weights and optimizer, which `sharded_writer` saves."""
         weights = {} if self.cfg.fsdp else {"trainable": {n: p.detach().clone() for n, p in self.task.trainable()},
                                             "optimizer": self.optimizer.state_dict()}
         return {**weights, "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg),

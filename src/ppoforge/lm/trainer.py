@@ -145,7 +145,7 @@ class RLHFTrainer:
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The whole state; with `fsdp` all but the weights and optimizer, which `_save_sharded` writes."""
+        """The whole state; with `fsdp` all but the weights and optimizer, which `sharded_writer` saves."""
         weights = {} if self.cfg.fsdp else {
             "trainable": {n: p.detach().clone() for n, p in self.layout.named_trainable()},
             "optimizer": self.optimizer.state_dict()}
