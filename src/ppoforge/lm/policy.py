@@ -371,7 +371,7 @@ class FullLayout:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from ppoforge.runtime import distributed
-        from ppoforge.runtime.fsdp import default_mesh, full_weights, mp_policy, shard_model
+        from ppoforge.runtime.fsdp import default_mesh, mp_policy, shard_model
 
         if not self.lean:
             raise UserError(f"fsdp: needs the lean decoder (a Llama-family model: llama, qwen2), which decodes "
@@ -388,13 +388,6 @@ class FullLayout:
         if self.critic is not None:
             fully_shard(self.critic.value_head, mesh=mesh, mp_policy=MixedPrecisionPolicy())
             shard_model(self.critic, precision, mesh)
-        # FSDP allocates a group's gathered weights at its first all-gather; were that inside
-        # torch.inference_mode (the rollout's passes), they would be inference tensors that a later
-        # all-gather with autograd on may not write into. So gather each once here, outside it.
-        for model in (self.policy, self.reference, self.critic):
-            if model is not None:
-                with full_weights(model):
-                    pass
         self.sharded = True
         self._index_trainable()
 

@@ -59,11 +59,9 @@ class RewardTask:
 
     def shard(self, precision: str) -> None:
         """FSDP2 over the ranks (runtime/fsdp.py): each layer a group, the model (its score head) the root."""
-        from ppoforge.runtime.fsdp import full_weights, shard_model
+        from ppoforge.runtime.fsdp import shard_model
 
         shard_model(self.model, precision)
-        with full_weights(self.model):  # the first gather outside inference mode (see FullLayout.shard)
-            pass
         self._trainable = list(self.model.named_parameters())
         self.sharded = True
 

@@ -102,11 +102,9 @@ class SFTTask:
 
     def shard(self, precision: str) -> None:
         """FSDP2 over the ranks (runtime/fsdp.py): each decoder layer a group, `Backbone` the root."""
-        from ppoforge.runtime.fsdp import full_weights, shard_model
+        from ppoforge.runtime.fsdp import shard_model
 
         shard_model(self.backbone, precision, reshard_root=False)  # the LM head runs after its forward
-        with full_weights(self.backbone):  # the first gather outside inference mode (see FullLayout.shard)
-            pass
         self._trainable = list(self.model.named_parameters())
         self.sharded = True
 

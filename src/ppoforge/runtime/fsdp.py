@@ -109,8 +109,9 @@ def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh:
                 reshard_root: bool = True) -> nn.Module:
     """fully_shard each decoder layer, then the root; returns `model`, now an FSDPModule, in place.
 
-    Needs an initialized process group. `mesh` defaults to `default_mesh(model)` (a CUDA model should
-    already be on this rank's device). `reshard_root=False` keeps the root group (embeddings, final
+    Needs an initialized process group; collective (it gathers every group once, see the end).
+    `mesh` defaults to `default_mesh(model)` (a CUDA model should already be on this rank's device).
+    `reshard_root=False` keeps the root group (embeddings, final
     norm, LM head) gathered after its forward, until the backward or an explicit `reshard()`: for a
     caller that applies the LM head to the forward's output outside the root's forward (lm/policy.py's
     `Trunk`); the head's gradient still reaches the root's reduce-scatter, which runs when backward ends."""
@@ -125,6 +126,11 @@ def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh:
     # rollout, the reference pass) would otherwise leave embeddings and LM head gathered until the next
     # backward, and an optimizer built meanwhile would hold the gathered tensors instead of the shards
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root)
+    # FSDP allocates a group's gathered weights at its first all-gather; were that inside
+    # torch.inference_mode (a rollout's or an evaluation's passes), they would be inference tensors that a
+    # later all-gather with autograd on may not write into. So gather every group once here, outside it.
+    with full_weights(model):
+        pass
     return model
 
 
