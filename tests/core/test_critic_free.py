@@ -39,9 +39,23 @@ def test_rloo_baseline_is_the_mean_of_the_other_completions():
     torch.testing.assert_close(rloo_advantages(REWARDS, 3), torch.tensor([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]))
     # G = 2: [4, 0] -> [4 - 0, 0 - 4]; = G / (G - 1) * (r - mean) = 2 * [2, -2]
     torch.testing.assert_close(rloo_advantages(torch.tensor([4.0, 0.0]), 2), torch.tensor([4.0, -4.0]))
-    # scaled by the group std (1 and 0): [-1.5, 0, 1.5] / (1 + 1e-4), zeros / 1e-4 = 0
-    torch.testing.assert_close(rloo_advantages(REWARDS, 3, "group"),
-                               torch.tensor([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]) / (1 + STD_EPS))
+
+
+def test_rloo_batch_scaling_is_trls_normalize_advantages():
+    # TRL's RLOO: A = (A - A.mean()) / (A.std() + 1e-4) over the batch's advantages, not a std of the rewards.
+    # rewards [0, 1 | 10, 11], G = 2: A = [-1, 1, -1, 1], mean 0, sample std sqrt(4 / 3) -> +-0.866
+    # (dividing by the rewards' std, ~5.8, folds the between-prompt spread in: +-0.172)
+    adv = rloo_advantages(torch.tensor([0.0, 1.0, 10.0, 11.0]), 2, "batch")
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / (math.sqrt(4 / 3) + STD_EPS))
+    assert abs(adv[1].item() - 0.866) < 1e-3
+    # TRL's formula written out on REWARDS: A = [-1.5, 0, 1.5, 0, 0, 0]
+    a = torch.tensor([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(rloo_advantages(REWARDS, 3, "batch"), (a - a.mean()) / (a.std() + 1e-4))
+
+
+def test_rloo_has_no_group_scaling():
+    with pytest.raises(ValueError, match="rloo's scale"):
+        rloo_advantages(REWARDS, 3, "group")
 
 
 def test_groups_are_contiguous_rows():

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from ppoforge.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from ppoforge.core.stats import masked_mean
 
 
 def test_k1_k2_k3_hand_values():
@@ -68,3 +69,18 @@ def test_adaptive_controller_moves_toward_target_and_clips():
     restored = AdaptiveKLController(1.0, 6.0, 10_000)
     restored.load_state_dict(ctl.state_dict())
     assert restored.value == ctl.value
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_a_masked_position_cannot_poison_the_sum(estimator):
+    # k3 at log ratio -100: expm1(100) overflows fp32 to inf; 0 * inf = NaN would poison the masked sum
+    assert torch.isinf(kl_penalty(torch.tensor([-100.0]), torch.tensor([0.0]), "k3")).all()
+    assert masked_mean(kl_penalty(torch.tensor([-100.0]), torch.tensor([0.0]), "k3"), torch.tensor([0.0])) == 0
+    # with the mask the estimate is 0 there and so is its gradient: no NaN reaches the logits
+    logp = torch.tensor([-100.0, -1.0], requires_grad=True)
+    mask = torch.tensor([0.0, 1.0])
+    kl = kl_penalty(logp, torch.tensor([0.0, -1.5]), estimator, mask)
+    assert kl[0] == 0
+    masked_mean(kl, mask).backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0] == 0
+    torch.testing.assert_close(kl[1], kl_penalty(torch.tensor(-1.0), torch.tensor(-1.5), estimator))

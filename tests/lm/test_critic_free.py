@@ -221,6 +221,10 @@ def _cli(capsys, *args):
      "critic_model: advantage grpo has no critic"),
     (["--scale-rewards", "batch"], "scale_rewards: batch applies to grpo and rloo; allowed with advantage gae: auto"),
     (["--kl-in", "loss"], "kl_estimator: k1 as a loss term has zero expected gradient"),
+    (["--advantage", "rloo", "--num-generations", "2", "--scale-rewards", "group"],
+     "scale_rewards: group does not apply to rloo, which normalizes its advantages over the batch"),
+    (["--advantage", "grpo", "--num-generations", "2", "--scale-rewards", "group"],
+     "scale_rewards: group with kl_in reward (kl_coef 0.05) divides each group's KL noise by its own tiny std"),
     (["--advantage", "reinforce_pp", "--whiten-rewards", "true"],
      "whiten_rewards: whitens GAE's per-token rewards; allowed with advantage reinforce_pp: false"),
     (["--kl-coef", "0", "--kl-target", "6"], "kl_target: the adaptive controller scales kl_coef, which is 0"),
@@ -233,6 +237,14 @@ def test_bad_combinations_are_one_line_exit_2(capsys, tmp_path, args, message):
     code, err = _cli(capsys, "--run-dir", str(tmp_path / "r"), *args)
     assert code == 2
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(("overrides", "scale"), [
+    (dict(), "batch"),  # the KL in the reward: a group's std would be KL noise
+    (dict(kl_coef=0.0), "group"), (dict(kl_in="loss", kl_estimator="k3"), "group"),
+    (dict(advantage="rloo"), "none"), (dict(advantage="rloo", scale_rewards="batch"), "batch")])
+def test_auto_scaling_never_divides_by_a_std_of_kl_noise(cfg_for, overrides, scale):
+    assert cfg_for(**overrides).reward_scale == scale
 
 
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "rloo"])
@@ -285,3 +297,24 @@ def test_one_step_rollouts_take_old_logprobs_from_the_update_itself(cfg_for, tmp
     assert metrics["val/ratio"] == 1.0 and metrics["clip_ratio/region_mean"] == 0
     for (name, a), (_, b) in zip(fast.layout.named_trainable(), slow.layout.named_trainable(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_k3_kl_in_the_loss_ignores_what_sits_on_padding(cfg_for, tmp_path, monkeypatch):
+    """Padding's log-probs are unrelated numbers (the reference's is masked to 0): a policy log-prob of
+    -200 there made k3's expm1 overflow to inf, and inf * 0 turned the whole micro-batch's loss into NaN
+    (the step skipped). Frequent stop tokens make sure responses end early, so padding exists."""
+    cfg = cfg_for(kl_in="loss", kl_estimator="k3", kl_coef=0.04, stop_tokens=",".join(str(i) for i in range(40, 400)),
+                  total_updates=1)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
+    pad, logprobs, padded = trainer.tokenizer.pad_token_id, trainer_module.token_logprobs, []
+
+    def unlikely_padding(logits, targets, temperature):
+        logp, entropy = logprobs(logits, targets, temperature)
+        padded.append(int((targets == pad).sum()))
+        return logp - 200.0 * (targets == pad), entropy
+
+    monkeypatch.setattr(trainer_module, "token_logprobs", unlikely_padding)
+    metrics, _ = trainer.train_one_update()
+    assert sum(padded) > 0  # the case exists
+    assert metrics["guard/skipped_steps"] == 0
+    assert math.isfinite(metrics["loss/policy_avg"]) and math.isfinite(metrics["kl"])

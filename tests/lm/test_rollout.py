@@ -7,11 +7,13 @@ length limit). The naive loop walks each response's real tokens only, backwards:
     A_t = delta_t + gamma * lam * A_{t+1}
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from ppoforge.core.stats import whiten
-from ppoforge.lm.rollout import advantages, left_pad, token_rewards
+from ppoforge.lm.rollout import ESTIMATORS, Rollout, advantages, left_pad, token_rewards
 
 LENGTHS = [1, 3, 5]
 
@@ -65,3 +67,29 @@ def test_whatever_sits_on_padding_changes_nothing():
 def test_left_pad():
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, device="cpu")
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def _multiturn_rollout(scores, turn_rewards):
+    """Two groups of G = 2 two-turn episodes over width 4: policy tokens at 0-1 (turn 1) and 3 (turn 2),
+    the environment's token at 2 (masked out)."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]]).repeat(4, 1)
+    zeros = torch.zeros(4, 4)
+    return Rollout(ids=torch.zeros(4, 6, dtype=torch.long), mask=torch.ones(4, 6),
+                   resp=torch.zeros(4, 4, dtype=torch.long), resp_mask=mask,
+                   logp=zeros, ref_logp=None, values=None, scores=scores, turn_rewards=turn_rewards)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_the_whole_return_is_centred_whether_it_comes_as_turn_rewards_or_as_scores(advantage):
+    """Episode returns [1, 0 | 3, 3] given once as final scores, once as a reward on the last turn's last
+    policy token (an environment without score(), like guess_number): the same per-token rewards, so the
+    same advantages; each estimator's baseline must see the turn rewards."""
+    returns = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    as_turns = torch.zeros(4, 4)
+    as_turns[:, 3] = returns
+    cfg = SimpleNamespace(num_generations=2, reward_scale="group" if advantage == "grpo" else "none", gamma=1.0)
+    non_score = torch.zeros(4, 4)
+    by_score, _ = ESTIMATORS[advantage](_multiturn_rollout(returns, None), non_score, cfg)
+    by_turn, _ = ESTIMATORS[advantage](_multiturn_rollout(torch.zeros(4), as_turns), non_score, cfg)
+    torch.testing.assert_close(by_turn, by_score)
+    assert by_score[2:].abs().max() < 1e-6 < by_score[:2].abs().max()  # group 2's equal returns: no signal

@@ -11,8 +11,10 @@ group. Sequence rewards are (B,), per-token ones (B, T) with a 0/1 response mask
   (TRL's `scale_rewards="batch"`); `none`, no division (Dr. GRPO: Liu et al. 2025, "Understanding
   R1-Zero-Like Training", which finds that the std division up-weights too easy and too hard prompts).
 - RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): A_i = r_i - mean_{j != i} r_j, each
-  completion's baseline the mean of the other G - 1 (unbiased: it does not depend on r_i). `scale`
-  divides it as for GRPO (TRL's RLOO `normalize_advantages`); the paper's RLOO is `none`.
+  completion's baseline the mean of the other G - 1 (unbiased: it does not depend on r_i). `none` is the
+  paper's RLOO; `batch` is TRL's RLOO `normalize_advantages`, which whitens the *advantages* over the
+  whole batch, A = (A - mean(A)) / (std(A) + 1e-4) — not GRPO's division by a std of the rewards, which
+  would fold the between-prompt spread of the rewards into the scale. RLOO has no `group` scaling.
 - REINFORCE++ (Hu 2025, "REINFORCE++", OpenRLHF's `reinforce`): per-token rewards (the score on the last
   token, -beta * KL_t on every token when the KL is in the reward), their reward-to-go
   G_t = sum_{s >= t} gamma^(s - t) r_s, whitened over the batch's real tokens.
@@ -32,6 +34,7 @@ from ppoforge.core.advantages import gae
 from ppoforge.core.stats import global_mean_var, whiten
 
 SCALES = ("group", "batch", "none")
+RLOO_SCALES = ("batch", "none")
 STD_EPS = 1e-4  # TRL's GRPO: a group whose rewards are all equal gets advantages 0, not 0 / 0
 
 
@@ -70,9 +73,16 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group"
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none", eps: float = STD_EPS,
                     all_sum=None) -> torch.Tensor:
-    """(B,) A_i = r_i - (sum_group(r) - r_i) / (G - 1), optionally divided by a std like GRPO's."""
+    """(B,) A_i = r_i - (sum_group(r) - r_i) / (G - 1); `batch`: then (A - mean(A)) / (std(A) + eps) over
+    the batch (all ranks' with `all_sum`), TRL's RLOO `normalize_advantages`."""
     sums = groups(rewards, group_size).sum(1).repeat_interleave(group_size)
-    return _scaled(rewards - (sums - rewards) / (group_size - 1), rewards, group_size, scale, eps, all_sum)
+    adv = rewards - (sums - rewards) / (group_size - 1)
+    if scale == "none":
+        return adv
+    if scale != "batch":
+        raise ValueError(f"rloo's scale must be one of {RLOO_SCALES}, got {scale!r}")
+    mean, var = (adv.mean(), adv.var()) if all_sum is None else global_mean_var(adv, None, all_sum)
+    return (adv - mean) / (var.sqrt() + eps)
 
 
 def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:

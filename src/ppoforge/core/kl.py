@@ -18,9 +18,17 @@ import torch
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(policy || reference) estimate on the sampled tokens."""
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, mask: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate on the sampled tokens; 0 where `mask` is 0.
+
+    The mask selects the log ratio *before* the estimator: on padding the two log-probs are unrelated
+    numbers (a masked reference is 0), k3's expm1(-log_ratio) overflows to inf below -88.7 in fp32, and
+    inf * 0 is NaN — in the masked sum and in its gradient. Selected out first, the estimate and its
+    gradient there are exactly 0."""
     log_ratio = logp - ref_logp
+    if mask is not None:
+        log_ratio = torch.where(mask != 0, log_ratio, 0.0)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":

@@ -11,9 +11,11 @@ import torch
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor | None, dim=None) -> torch.Tensor:
+    """Sum of x * mask. A masked entry adds exactly 0 even when it is inf or NaN (inf * 0 would be NaN)."""
     if mask is None:
         return x.sum() if dim is None else x.sum(dim)
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    weighted = torch.where(mask != 0, x * mask, 0.0)
+    return weighted.sum() if dim is None else weighted.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None, dim=None) -> torch.Tensor:

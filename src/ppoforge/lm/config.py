@@ -93,9 +93,10 @@ class RLHFConfig(FaultConfig):
                            choices=ADVANTAGES)
     num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
                                  "each prompt's G in a row", lo=1, hi=65536)
-    scale_rewards: str = param("auto", "grpo/rloo: divide advantages by each group's reward std (group), the "
-                               "batch's (batch) or not at all (none: Dr. GRPO); auto: group for grpo, none for rloo",
-                               choices=("auto", *SCALES))
+    scale_rewards: str = param("auto", "grpo: divide advantages by each group's reward std (group), the batch's "
+                               "(batch) or not at all (none: Dr. GRPO); rloo: whiten the advantages over the batch "
+                               "(batch: TRL's normalize_advantages) or not (none); auto: group for grpo (batch when "
+                               "the KL is in the reward), none for rloo", choices=("auto", *SCALES))
     loss_agg: str = param("token_mean", "how per-token losses make a mini-batch's loss: token_mean; "
                           "seq_mean_token_mean (mean of each response's token mean: GRPO's); seq_sum_norm (sum / "
                           "(responses x max_new_tokens): Dr. GRPO's)", choices=LOSS_AGGREGATIONS)
@@ -160,10 +161,18 @@ class RLHFConfig(FaultConfig):
 
     @property
     def reward_scale(self) -> str:
-        """`scale_rewards` resolved: auto is group for grpo (TRL's default), none for the rest (RLOO's paper)."""
+        """`scale_rewards` resolved: auto is group for grpo (TRL's default) — batch when the KL is in the reward,
+        whose per-group std would be KL noise (see `_check_estimator`) —, none for the rest (RLOO's paper)."""
         if self.scale_rewards != "auto":
             return self.scale_rewards
-        return "group" if self.advantage == "grpo" else "none"
+        if self.advantage != "grpo":
+            return "none"
+        return "batch" if self.kl_in_reward else "group"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """The rewards carry -beta * KL_t (kl_in: reward with a reference pass)."""
+        return self.kl_in == "reward" and self.kl_coef > 0
 
     def finalize(self) -> None:
         check_device_name(self.device)
@@ -223,6 +232,15 @@ class RLHFConfig(FaultConfig):
         if self.scale_rewards != "auto" and adv not in ("grpo", "rloo"):
             raise UserError(f"scale_rewards: {self.scale_rewards} applies to grpo and rloo; allowed with "
                             f"advantage {adv}: auto" + (" (it whitens over the batch itself)" if adv != "gae" else ""))
+        if adv == "rloo" and self.scale_rewards == "group":
+            raise UserError("scale_rewards: group does not apply to rloo, which normalizes its advantages over the "
+                            "batch (TRL's normalize_advantages); allowed with advantage rloo: batch, none, auto")
+        if adv == "grpo" and self.scale_rewards == "group" and self.kl_in_reward:
+            # a group whose scores all agree has a tiny but non-zero std of (score - beta * KL): its
+            # advantages would be KL noise scaled to unit variance, a "no signal" group trained on noise
+            raise UserError(f"scale_rewards: group with kl_in reward (kl_coef {self.kl_coef:g}) divides each group's "
+                            "KL noise by its own tiny std; allowed: kl_in loss, scale_rewards batch or none, or "
+                            "kl_coef 0")
         if not self.has_critic and self.layout == "lora-critic":
             raise UserError(f"layout: lora-critic trains a critic adapter, which advantage {adv} does not use; "
                             "allowed: lora or full")

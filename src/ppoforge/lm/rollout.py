@@ -186,8 +186,10 @@ def reinforce_pp_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
 
 
 def reinforce_pp_baseline_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
-    """REINFORCE++-baseline: REINFORCE++ with each score minus its group's mean score."""
-    centered = b.scores - group_mean(b.scores, cfg.num_generations)
+    """REINFORCE++-baseline: REINFORCE++ with the group's mean return subtracted on each response's last
+    token. The return is the whole episode's (turn rewards plus score), as GRPO's and RLOO's: centring the
+    score alone would leave an environment's turn rewards without a baseline."""
+    centered = b.scores - group_mean(b.returns(), cfg.num_generations)
     return _reinforce_pp(with_scores(b.step_rewards(non_score), centered, b.resp_mask), b.resp_mask, cfg.gamma), None
 
 

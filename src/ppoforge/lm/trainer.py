@@ -287,14 +287,14 @@ class RLHFTrainer:
             logp, values, ref_logp = self.scoring(ids, mask, samples)
         self.layout.release()  # sharded: the LM heads these no-grad passes left gathered
         m = samples.response_mask
-        return Rollout(ids, mask, samples.response_ids, m, logp * m, _masked(ref_logp, m), _masked(values, m), scores,
-                       getattr(samples, "turn_rewards", None))
+        return Rollout(ids, mask, samples.response_ids, m, _masked(logp, m), _masked(ref_logp, m), _masked(values, m),
+                       scores, getattr(samples, "turn_rewards", None))
 
     def rollout_kl(self, b: Rollout) -> torch.Tensor:
         """(B, T) per-token KL of the sampling policy to the reference; 0 without a reference pass."""
         if b.ref_logp is None:
             return torch.zeros_like(b.logp)
-        return kl_penalty(b.logp, b.ref_logp, self.cfg.kl_estimator) * b.resp_mask
+        return kl_penalty(b.logp, b.ref_logp, self.cfg.kl_estimator, b.resp_mask)
 
     # ---- update -------------------------------------------------------------------------------------
     def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
@@ -370,7 +370,7 @@ class RLHFTrainer:
                 loss = loss + cfg.vf_coef * v_loss
                 stats |= {"loss/value_avg": v_loss.detach(), "val/clipfrac_avg": vs["clipfrac"]}
             if self.kl_loss:  # GRPO's: beta * KL_t of the current policy, aggregated like the policy loss
-                kl = kl_penalty(logp, b.ref_logp[micro], cfg.kl_estimator)
+                kl = kl_penalty(logp, b.ref_logp[micro], cfg.kl_estimator, m)  # 0 on padding, gradient too
                 loss = loss + self.kl_ctl.value * reduce(kl, m)
                 stats["kl"] = masked_mean(kl.detach(), m)
             if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
@@ -541,7 +541,8 @@ def curve_title(cfg: RLHFConfig) -> str:
 
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    return None if x is None else x * mask
+    """x with 0 where mask is 0, whatever x holds there (-inf * 0 would be NaN)."""
+    return None if x is None else torch.where(mask != 0, x * mask, 0.0)
 
 
 def _cell(text: str) -> str:
