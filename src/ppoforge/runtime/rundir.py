@@ -19,9 +19,9 @@ from pathlib import Path
 from ppoforge.errors import UserError
 
 # what trainers write into a run dir (removed by --overwrite; anything else in the folder is left alone)
-RUN_FILES = ("checkpoint.pt", "checkpoint", "config.yaml", "code.json", "metrics.jsonl", "completions.jsonl", "tb",
-             "policy", "model", "summary.json", "samples.jsonl", "data_report.json", "learning_curve.png",
-             "reward_kl.png", "reward_gaps.png")
+RUN_FILES = ("checkpoint.pt", "checkpoint", "config.yaml", "code.json", "data_files.json", "metrics.jsonl",
+             "completions.jsonl", "tb", "policy", "model", "summary.json", "samples.jsonl", "data_report.json",
+             "learning_curve.png", "reward_kl.png", "reward_gaps.png")
 STARTED = ("checkpoint.pt", "checkpoint", "config.yaml")  # a run began here: written when its trainer starts
 
 
