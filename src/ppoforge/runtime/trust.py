@@ -110,24 +110,28 @@ def check_resume(run_dir: Path, cfg, trusted: bool) -> None:
     if trusted:
         return
     _check_code(run_dir, cfg)
-    _check_data(run_dir, cfg)
+    changed = data_change(run_dir, cfg)
+    if changed:
+        raise UserError(f"resume: {run_dir}'s {changed}: the data order would continue on other rows; allowed: "
+                        f"restore that file, start a new run (another --run-dir, or --overwrite), or --resume "
+                        f"{run_dir} --trust-run-dir to continue on the changed data")
 
 
-def _check_data(run_dir: Path, cfg) -> None:
+def data_change(run_dir: Path, cfg) -> str | None:
+    """'FIELD file PATH changed since the run started (...)' for the first data file whose content is not
+    what `record` saw, else None (also for a run dir from before data was fingerprinted)."""
     then = _recorded(Path(run_dir) / DATA_FILE)
-    if then is None:  # a run dir from before data was fingerprinted: nothing to compare with
-        return
+    if then is None:
+        return None
     now = data_fingerprint(cfg)
     for name in sorted(set(then) | set(now)):
         started, seen = then.get(name), now.get(name)
         if (started or {}).get("sha256") != (seen or {}).get("sha256"):  # the content; it may have moved
-            file = (seen or started)["file"]
             is_ = f"sha256 {seen['sha256'][:12]}" if seen else "missing"
             was = f"sha256 {started['sha256'][:12]}" if started else "not recorded"
-            raise UserError(f"resume: {run_dir}'s {name} file {file} changed since the run started ({is_}, when "
-                            f"the run started: {was}): the data order would continue on other rows; allowed: "
-                            f"restore that file, start a new run (another --run-dir, or --overwrite), or --resume "
-                            f"{run_dir} --trust-run-dir to continue on the changed data")
+            return (f"{name} file {(seen or started)['file']} changed since the run started ({is_}, when the run "
+                    f"started: {was})")
+    return None
 
 
 def _check_code(run_dir: Path, cfg) -> None:
