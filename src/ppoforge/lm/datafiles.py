@@ -167,7 +167,7 @@ def read_table_rows(path: Path, allowed: str) -> list[tuple[int, dict]]:
     except UserError:
         if builder == "csv" and (problem := _csv_problem(path)):
             raise UserError(problem) from None
-        if builder == "parquet" and _parquet_rows(path) == 0:  # older datasets fail on an empty file
+        if builder == "parquet" and _parquet_rows(path) == 0:  # datasets fails on a file without rows
             return []
         raise
     return list(enumerate(rows or [], 1))
