@@ -367,6 +367,25 @@ def test_resume_refuses_code_that_changed_since_the_run_started(capsys, tmp_path
     assert code == 0, err
 
 
+def test_resume_refuses_a_data_file_that_changed_since_the_run_started(capsys, tmp_path, tiny_model, reward_module,
+                                                                       monkeypatch):
+    monkeypatch.setenv("REWARD_MODE", "ok")
+    run, prompts = tmp_path / "run", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {w}."}) + "\n" for w in ("yes", "no", "maybe")))
+    argv = _rlhf_args(tiny_model, run, reward_module, "--total-updates", "1")
+    argv[argv.index("demo")] = str(prompts)
+    assert _cli(capsys, *argv)[0] == 0
+    assert json.loads((run / "data_files.json").read_text())["prompts"]["sha256"]
+    assert _cli(capsys, "train", "rlhf", "--resume", str(run), "--total-updates", "2")[0] == 0  # unchanged: fine
+    prompts.write_text(prompts.read_text() + json.dumps({"prompt": "Say perhaps."}) + "\n")
+    code, err = _cli(capsys, "train", "rlhf", "--resume", str(run), "--total-updates", "3")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"prompts file {prompts}" in err and "changed since the run started" in err and "--trust-run-dir" in err
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 2  # nothing ran
+    code, err = _cli(capsys, "train", "rlhf", "--resume", str(run), "--total-updates", "3", "--trust-run-dir")
+    assert code == 0, err
+
+
 # ---- out of memory -------------------------------------------------------------------------------
 
 def test_an_oom_in_a_micro_batch_halves_it_with_the_same_result(tmp_path, tiny_model):

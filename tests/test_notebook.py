@@ -26,7 +26,7 @@ def _flags(launch) -> dict[str, str]:
 
 def test_default_is_a_fresh_random_token_on_localhost_passed_in_the_environment():
     a, b = plan(NotebookOptions(), {}, euid=1000), plan(NotebookOptions(), {}, euid=1000)
-    assert a.argv[1:3] == ["-m", "jupyterlab"] and _flags(a)["ServerApp.ip"] == "127.0.0.1"
+    assert a.argv[1:3] == ["-m", "ppoforge.notebook"] and _flags(a)["ServerApp.ip"] == "127.0.0.1"
     assert a.auth == "token" and a.token == a.env["JUPYTER_TOKEN"] and len(a.token) >= 32
     assert a.token != b.token
     assert not any(a.token in arg for arg in a.argv)  # never on the command line, where ps shows it
@@ -135,17 +135,56 @@ def _wait_until_up(url: str, proc: subprocess.Popen, deadline: float) -> None:
     raise AssertionError("ppoforge notebook did not answer within 40 s")
 
 
+def _jupyter_env(tmp_path) -> dict[str, str]:
+    return {**os.environ, TOKEN_ENV: TOKEN, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data"),
+            "HOME": str(tmp_path)}
+
+
+def _launch(tmp_path, port: int, env: dict, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ppoforge.cli", "notebook", "--port", str(port), "--root-dir", str(tmp_path)]
+    cmd += ["--allow-root"] if os.geteuid() == 0 else []
+    return subprocess.Popen(cmd + list(extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("case", ["config-file-empty-token", "tornado-settings-xsrf-off", "user-config-dir"])
+def test_a_real_launch_refuses_settings_that_switch_a_protection_off_however_they_are_given(tmp_path, case):
+    """The server's effective settings are checked before it listens: a --config file with an empty token,
+    XSRF off through tornado_settings, or a jupyter_server_config.json in JUPYTER_CONFIG_DIR."""
+    port, env = _free_port(), _jupyter_env(tmp_path)
+    (tmp_path / "open.py").write_text("c.IdentityProvider.token = ''\n")
+    (tmp_path / "config").mkdir()
+    extra = {"config-file-empty-token": ["--", f"--config={tmp_path / 'open.py'}"],
+             "tornado-settings-xsrf-off": ["--", "--ServerApp.tornado_settings={'disable_check_xsrf': True}"],
+             "user-config-dir": []}[case]
+    if case == "user-config-dir":
+        (tmp_path / "config" / "jupyter_server_config.json").write_text(
+            json.dumps({"ServerApp": {"allow_origin_pat": ".*"}}))
+    proc, base, answered = _launch(tmp_path, port, env, *extra), f"http://127.0.0.1:{port}", None
+    try:
+        deadline = time.monotonic() + 40
+        while proc.poll() is None and time.monotonic() < deadline and answered is None:
+            try:
+                answered = _get(f"{base}/api/contents")[0]  # what anyone without the token would get
+            except OSError:
+                time.sleep(0.3)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        out, err = proc.communicate(timeout=20)
+    assert answered is None, f"the server answered {answered} without a token"
+    lines = [line for line in err.strip().splitlines() if "warning: running as root" not in line]  # uid 0 here
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("ppoforge: error: notebook: "), err
+    assert "allowed:" in lines[0] and TOKEN not in out + err
+
+
 def test_real_server_demands_the_token_and_the_doctor_calls_it_safe(tmp_path):
     """Starts JupyterLab through the CLI on a free port, as a user would, then stops it."""
     from ppoforge.doctor.security import check_jupyter, read_servers
 
-    port = _free_port()
-    env = {**os.environ, TOKEN_ENV: TOKEN, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-           "HOME": str(tmp_path)}
-    cmd = [sys.executable, "-m", "ppoforge.cli", "notebook", "--port", str(port), "--root-dir", str(tmp_path)]
-    cmd += ["--allow-root"] if os.geteuid() == 0 else []
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port, env = _free_port(), _jupyter_env(tmp_path)
+    (tmp_path / "safe_config.py").write_text("c.ServerApp.shutdown_no_activity_timeout = 3600\n")
+    proc = _launch(tmp_path, port, env, "--", f"--config={tmp_path / 'safe_config.py'}")  # a safe config works
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(f"{base}/api/status", proc, time.monotonic() + 40)
@@ -160,5 +199,5 @@ def test_real_server_demands_the_token_and_the_doctor_calls_it_safe(tmp_path):
         assert r.status == "ok" and "127.0.0.1, token" in r.evidence
     finally:
         proc.terminate()
-        out = proc.communicate(timeout=20)[0]
+        out = "".join(proc.communicate(timeout=20))
     assert "JupyterLab at http://127.0.0.1" in out and TOKEN not in out

@@ -56,7 +56,7 @@ def _write(tmp_path, spec):
     return path
 
 
-def test_three_stages_then_a_rerun_redoes_nothing(tmp_path, tiny_models, capsys):
+def test_three_stages_then_a_rerun_redoes_nothing_and_refuses_a_changed_finished_stage(tmp_path, tiny_models, capsys):
     config, run = _write(tmp_path, _spec(tiny_models)), tmp_path / "run"
     assert main(["pipeline", str(config), "--run-dir", str(run)]) == 0
     out = capsys.readouterr()
@@ -70,6 +70,23 @@ def test_three_stages_then_a_rerun_redoes_nothing(tmp_path, tiny_models, capsys)
     assert main(["pipeline", str(config), "--run-dir", str(run)]) == 0
     assert capsys.readouterr().err.count("already finished") == 3
     assert {p: p.stat().st_mtime_ns for p in run.rglob("checkpoint.pt")} == mtimes  # nothing was redone
+    spec = _spec(tiny_models)
+    spec["reward"]["learning_rate"] = 2e-3  # a finished stage whose settings changed is not silently reused
+    assert main(["pipeline", str(_write(tmp_path, spec)), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ppoforge: error: pipeline: reward finished in" in err, err
+    assert "learning_rate (0.001 -> 0.002)" in err and "allowed: " in err
+    config, pairs = _write(tmp_path, _spec(tiny_models)), tiny_models[2]
+    text = pairs.read_text()
+    try:  # nor one whose data file changed
+        pairs.write_text(text + text.splitlines(keepends=True)[0])
+        assert main(["pipeline", str(config), "--run-dir", str(run)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"reward finished in {run / 'reward'}" in err
+        assert f"data file {pairs}" in err and "changed" in err, err
+    finally:
+        pairs.write_text(text)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("checkpoint.pt")} == mtimes
 
 
 def test_an_interrupted_stage_resumes_inside_the_stage(tmp_path, tiny_models, capsys, monkeypatch):

@@ -222,10 +222,13 @@ def _positive_int(text: str) -> int:
 def _add_train_parser(train_sub, domain: str, cls, help: str, run_name: str, func) -> None:
     p = train_sub.add_parser(domain, help=help)
     p.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets(domain))}) or a YAML file")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint; refused "
+                   "when the code (py: items) or data files its config names changed since the run started (a check "
+                   "against drift, recorded in the run dir itself: not against a run dir someone edited, so resume "
+                   "only run dirs you trust)")
     p.add_argument("--trust-run-dir", action="store_true",
-                   help="with --resume: import the code the run dir's config names (py: items) even though it "
-                   "changed since the run started")
+                   help="with --resume: go on although the code the run dir's config names (py: items, imported) "
+                   "or its data files changed since the run started")
     p.add_argument("--run-dir", help=f"where to write the run (default: RUNS_ROOT/{run_name})")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
     p.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
@@ -268,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--run-dir", help="where the stages run (default: RUNS_ROOT/pipeline-<config name>); "
                       "rerun with the same one to continue")
     pipe.add_argument("--runs-root", default="runs", help="parent folder of the run dir (default: runs)")
-    pipe.add_argument("--trust-run-dir", action="store_true", help="resume stages whose py: code changed")
+    pipe.add_argument("--trust-run-dir", action="store_true", help="resume stages whose py: code or data files "
+                      "changed since they started")
     pipe.set_defaults(func=_cmd_pipeline)
 
     ev = sub.add_parser("eval", help="evaluate a control run: mean ± std return")

@@ -21,14 +21,16 @@ import yaml
 from ppoforge.errors import UserError
 
 
-def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None, resume: bool = False):
+def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None, resume: bool = False, data: bool = False):
     """A config field: default, one-line doc, and optional allowed values / inclusive bounds / x > gt.
 
     Every number is finite (NaN and inf are refused) and every numeric field has an upper bound `hi`, so
     a size no machine could hold is refused before anything is allocated. `resume=True` marks a field
     that may change when a run is resumed (the run's length, logging, checkpoint cadence); every other
-    field shapes the checkpoint or its meaning and must stay as the run started."""
-    meta = {"help": help, "choices": choices, "lo": lo, "hi": hi, "gt": gt, "resume": resume}
+    field shapes the checkpoint or its meaning and must stay as the run started. `data=True` marks a
+    field naming the training data, whose files a resume checks are still what the run started on
+    (`runtime/trust.py`)."""
+    meta = {"help": help, "choices": choices, "lo": lo, "hi": hi, "gt": gt, "resume": resume, "data": data}
     return dataclasses.field(default=default, metadata=meta)
 
 

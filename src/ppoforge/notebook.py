@@ -6,19 +6,28 @@ given, or an argon2 password hash), and the settings that open a server up (an e
 CORS origin, XSRF checks off, root without asking) are refused with one line and exit code 2.
 
 Design: `plan()` is a pure function from the options to the exact jupyter argv and environment, so the
-policy is unit-tested without starting a server; `launch()` only prints and execs it (jupyter becomes
+policy is unit-tested without starting a server; `launch()` only prints and execs it (the server becomes
 the process, so SIGTERM from tini or `docker stop` reaches it directly). The token travels in the
 child's environment (JUPYTER_TOKEN, readable by this user only), never on the command line, where
 `ps` shows it to every user of a shared machine.
+
+Option names are not enough: a `--config` file, a `jupyter_server_config` in JUPYTER_CONFIG_DIR or
+~/.jupyter, or `--ServerApp.tornado_settings=...` can set an empty token or switch XSRF off under
+another name. So the exec'd process is this module (`serve`): it configures JupyterLab exactly as
+`jupyter lab` would, checks the settings the server ended up with (`check_server`), and only then
+starts it listening. A Jupyter config file is Python: the check catches one that turns a protection
+off, not one written to subvert Jupyter itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import secrets
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,7 +147,7 @@ def plan(opts: NotebookOptions, env: dict[str, str], euid: int) -> Launch:
     if opts.ip.strip() in WIDE_HOSTS:
         warnings.append(wide_warning(opts.ip, opts.port))
     child_env = {k: v for k, v in env.items() if k not in ("JUPYTER_TOKEN", "JUPYTER_TOKEN_FILE")}
-    argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={opts.ip}", f"--ServerApp.port={opts.port}",
+    argv = [sys.executable, "-m", "ppoforge.notebook", f"--ServerApp.ip={opts.ip}", f"--ServerApp.port={opts.port}",
             "--ServerApp.port_retries=0", "--ServerApp.open_browser=False",
             f"--ServerApp.root_dir={opts.root_dir}"]
     password_hash = opts.password_hash if opts.password_hash is not None else env.get(PASSWORD_HASH_ENV)
@@ -169,7 +178,7 @@ def banner(launch: Launch, opts: NotebookOptions) -> str:
 
 
 def launch(opts: NotebookOptions) -> None:
-    """Check, print the URL once, and become `jupyter lab`."""
+    """Check, print the URL once, and become the JupyterLab server (`serve`, which checks it once more)."""
     if importlib.util.find_spec("jupyterlab") is None:
         raise UserError(f"notebook: JupyterLab is not installed; fix: {INSTALL_FIX}")
     if not 1 <= opts.port <= 65535:
@@ -182,3 +191,86 @@ def launch(opts: NotebookOptions) -> None:
     print(banner(todo, opts), flush=True)
     sys.stderr.flush()
     os.execve(todo.argv[0], todo.argv, todo.env)
+
+
+_SET_BY = ("Jupyter's configuration (a pass-through option, a --config file, or jupyter_server_config in "
+           "JUPYTER_CONFIG_DIR or ~/.jupyter)")
+
+
+def _auth_problem(identity) -> str | None:
+    from jupyter_server.auth.identity import PasswordIdentityProvider
+
+    if not isinstance(identity, PasswordIdentityProvider):
+        return (f"{_SET_BY} replaces Jupyter's login with {type(identity).__name__}; allowed: Jupyter's own token "
+                "or password login")
+    token, hashed = identity.token or "", identity.hashed_password or ""
+    if hashed and not hashed.startswith("argon2:"):
+        return f"{_SET_BY} sets a password hash that is not argon2; allowed: --password-hash 'argon2:...'"
+    if not hashed and len(token) < MIN_TOKEN_CHARS:
+        what = "no token and no password" if not token else f"a token of {len(token)} characters"
+        return f"{_SET_BY} leaves {what}: anyone who reaches the port gets in; allowed: --token-file or --password-hash"
+    return None
+
+
+def check_server(app) -> None:
+    """Refuse a configured, not yet listening Jupyter server whose effective settings open it up: no (or
+    a short) token and no password, XSRF checks off, any origin allowed. Whatever set them."""
+    settings = app.web_app.settings
+    problem = _auth_problem(app.identity_provider)
+    if problem is None and (settings.get("disable_check_xsrf") or not settings.get("xsrf_cookies", True)):
+        problem = (f"{_SET_BY} switches XSRF protection off (any web page you visit could run code on this "
+                   "server); allowed: leave disable_check_xsrf and xsrf_cookies as they are")
+    headers = settings.get("headers") or {}
+    if problem is None and ("*" in (settings.get("allow_origin"), headers.get("Access-Control-Allow-Origin"))
+                            or settings.get("allow_origin_pat")):
+        problem = (f"{_SET_BY} lets other web sites call this server's API (allow_origin '*', allow_origin_pat "
+                   "or an Access-Control-Allow-Origin header); allowed: --allow-origin with one exact origin")
+    if problem:
+        raise UserError(f"notebook: {problem}")
+
+
+class _Held:
+    refused: str = ""
+
+
+@contextlib.contextmanager
+def _held_stderr():
+    """File descriptor 2 goes to a temp file inside the block (Jupyter's log handler keeps writing to the
+    same fd afterwards, so no handler is left pointing at a buffer); then its content is written to the
+    real stderr — or, when `refused` is set, that line alone."""
+    held, saved = _Held(), os.dup(2)
+    with tempfile.TemporaryFile() as buffer:
+        sys.stderr.flush()
+        os.dup2(buffer.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            buffer.seek(0)
+            sys.stderr.write(held.refused or buffer.read().decode(errors="replace"))
+            sys.stderr.flush()
+
+
+def serve(argv: list[str]) -> int:
+    """The exec'd server process: JupyterLab configured from `argv` and its config files as `jupyter lab`
+    configures it, checked, then started (the port opens only in `start`)."""
+    from jupyter_core.application import NoStart
+    from jupyterlab.labapp import LabApp
+
+    with _held_stderr() as held:  # Jupyter's start-up log: shown once the server passed, else only the refusal
+        app = LabApp.initialize_server(argv=argv)
+        try:
+            check_server(app)
+        except UserError as e:
+            held.refused = f"ppoforge: error: {e}\n"
+    if held.refused:
+        return 2
+    with contextlib.suppress(NoStart):  # what `jupyter lab` does too
+        app.start()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))

@@ -9,11 +9,16 @@ alone (checkpoints, exact resume, the error boundary, SIGTERM) holds inside the 
 configs are validated before the first stage starts: a typo in `ppo` fails in a second, not after an
 hour of SFT. Rerunning the command continues where it stopped: a finished stage (`stage.json`) is not
 redone, an interrupted one resumes from its checkpoint (its config may only change the fields a resume
-may change). A stage can be left out of the file (e.g. to start from your own SFT model).
+may change). A finished stage is reused only as it finished: when its section of the file changed, or
+its data file did (`runtime/trust.py`), the rerun is refused with one line rather than redoing it,
+which would replace a finished model and everything built on it; a new --run-dir runs the changed
+pipeline, or removing that stage's folder (and the later ones) redoes it there. A stage can be left
+out of the file (e.g. to start from your own SFT model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -85,6 +90,20 @@ def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, s
     return result, result["stopped_by"]
 
 
+def _check_finished(stage: str, cfg, stage_dir: Path, trusted: bool) -> None:
+    """Refuse to reuse a finished stage whose config (as its section gives it now) or data file changed."""
+    from ppoforge.runtime import trust
+
+    saved = build_config(type(cfg), read_saved_config(stage_dir / "config.yaml"))
+    changed = [f.name for f in dataclasses.fields(cfg) if getattr(saved, f.name) != getattr(cfg, f.name)]
+    what = ", ".join(f"{n} ({getattr(saved, n)!r} -> {getattr(cfg, n)!r})" for n in changed)
+    what = f"settings changed: {what}" if changed else (None if trusted else trust.data_change(stage_dir, cfg))
+    if what:
+        raise UserError(f"pipeline: {stage} finished in {stage_dir}, but its {what}; allowed: the settings and data "
+                        f"it finished with, another --run-dir for the changed pipeline, or remove {stage_dir} (and "
+                        "the later stages' folders) to redo it")
+
+
 def _main() -> bool:
     """Rank 0 under torchrun (read from its environment: the first stage has not joined the group yet)."""
     from ppoforge.runtime.distributed import env_world
@@ -103,6 +122,9 @@ def run_pipeline(config_path: Path, run_dir: Path, trusted: bool = False) -> dic
     """Run the stages in order, skipping finished ones; returns the summary (also run_dir/summary.json).
     Under torchrun every rank runs each stage's trainer; rank 0 alone prints and writes the summaries."""
     configs = stage_configs(read_pipeline(config_path), Path(run_dir))
+    for stage, cfg in configs.items():  # before any stage runs, as the configs' checks
+        if (Path(run_dir) / stage / "stage.json").is_file():
+            _check_finished(stage, cfg, Path(run_dir) / stage, trusted)
     summary, main = {}, _main()
     for stage, cfg in configs.items():
         stage_dir, done = Path(run_dir) / stage, Path(run_dir) / stage / "stage.json"

@@ -153,3 +153,32 @@ def prompts_file(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in request.module.PROMPTS))
     return path
+
+
+@pytest.fixture
+def bad_data_files(tmp_path) -> dict:
+    """Each kind of broken data file a new user meets: (path, what the one line must say)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {"deep.jsonl": ('{"prompt": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+                            r"deep\.jsonl line 1 nests deeper than"),
+             "deep.json": ('[{"prompt": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}]",
+                           r"deep\.json line 1 nests deeper than"),
+             "ragged.csv": ("prompt,topic\nhello,rain\nworld,sun,extra\n",
+                            r"ragged\.csv line 3 has 3 fields, the header has 2"),
+             "latin.csv": ("prompt\nhello\ncaf\xe9\n".encode("latin-1"), r"latin\.csv is not UTF-8 text \(line 3"),
+             "empty.csv": ("", r"empty\.csv has no rows"),
+             "zero.parquet": (None, r"zero\.parquet has no rows")}
+    out = {}
+    for name, (content, match) in files.items():
+        path = tmp_path / name
+        if content is None:
+            pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        out[name] = (path, match)
+    return out
+

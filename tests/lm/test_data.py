@@ -80,7 +80,7 @@ def test_unreadable_file(tmp_path):
     with pytest.raises(UserError, match=r"broken\.jsonl line 2 is a JSON list, not an object"):
         load_prompts(str(path))
     path.write_bytes(b'{"prompt": "caf\xe9"}\n')
-    with pytest.raises(UserError, match=r"broken\.jsonl is not UTF-8 text \(byte 15\)"):
+    with pytest.raises(UserError, match=r"broken\.jsonl is not UTF-8 text \(line 1, byte 15\); allowed: UTF-8"):
         load_prompts(str(path))
 
 
@@ -125,3 +125,12 @@ def test_render_prompt_uses_chat_template_when_present(tiny_lm_dir, tiny_llama_d
     assert render_prompt(tok, "Hello") == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
     assert render_prompt(tok, "Hello", use_chat_template=False) == "Hello"
     assert render_prompt(load_tokenizer(str(tiny_llama_dir)), "Hello") == "Hello"  # no template
+
+
+@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json", "ragged.csv", "latin.csv", "empty.csv", "zero.parquet"])
+def test_a_broken_file_is_one_line_naming_it_what_is_wrong_and_what_is_allowed(bad_data_files, name, capfd):
+    path, match = bad_data_files[name]
+    with pytest.raises(UserError, match=rf"^prompts: file .*{match}.*; allowed: ") as e:
+        load_prompts(str(path))
+    assert "\n" not in str(e.value) and "DatasetGenerationError" not in str(e.value)
+    assert capfd.readouterr().err == ""  # no library log lines or progress bars besides the one line

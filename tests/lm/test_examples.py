@@ -137,3 +137,35 @@ def test_a_packed_example_has_the_logits_it_has_alone(tiny_lm_dir, chat_tok):
     packed, alone = logits([exs]), logits([[exs[1]]])
     n0, n1 = len(exs[0].ids), len(exs[1].ids)
     torch.testing.assert_close(packed[0, n0:n0 + n1], alone[0, :n1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json", "ragged.csv", "latin.csv", "empty.csv", "zero.parquet"])
+def test_a_broken_sft_or_preference_file_is_one_line_naming_it(bad_data_files, name):
+    path, match = bad_data_files[name]
+    with pytest.raises(UserError, match=rf"^data: file .*{match}.*; allowed: ") as e:
+        read_rows(str(path))
+    assert "\n" not in str(e.value) and "DatasetGenerationError" not in str(e.value)
+
+
+def test_identical_message_lists_are_counted_as_identical(chat_tok):
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [(1, {"chosen": chat, "rejected": [dict(m) for m in chat]}), (2, {"chosen": "same", "rejected": "same"}),
+            (3, {"prompt": chat[:1], "chosen": chat[1:], "rejected": chat[1:]})]
+    pairs, drops = preference_pairs(rows, "data", chat_tok, 512, strict=False)
+    assert not pairs and drops.counts == {"identical": 3}
+
+
+def test_an_unknown_role_is_refused_for_that_row_and_strict_names_it(chat_tok):
+    rows = [(1, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}),
+            (2, {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "hello"}]}),
+            (3, {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "gpt", "content": "x"}]})]
+    examples, drops = sft_examples(rows, "file x.jsonl", chat_tok, 512, strict=False)
+    assert len(examples) == 1 and drops.counts == {"bad_role": 2}
+    detail = drops.first["bad_role"][1]
+    assert "role 'human'" in detail and "system, user, assistant, tool" in detail
+    with pytest.raises(UserError, match=r"^data: file x\.jsonl line 2: messages message 0 has role 'human'; "
+                                        r"allowed: .*\(bad_role\)"):
+        sft_examples(rows, "file x.jsonl", chat_tok, 512, strict=True)
+    pairs, drops = preference_pairs([(1, {"prompt": [{"role": "usr", "content": "q"}], "chosen": "a",
+                                          "rejected": "b"})], "data", chat_tok, 512, strict=False)
+    assert not pairs and drops.counts == {"bad_role": 1}

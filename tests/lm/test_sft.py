@@ -102,6 +102,27 @@ def test_sft_cli_reports_left_out_rows(tmp_path, tiny_lm_dir, capsys):
     assert code == 2 and "line 2" in capsys.readouterr().err
 
 
+def test_a_run_refused_for_its_data_is_one_line_and_the_fixed_retry_reuses_its_run_dir(tmp_path, tiny_lm_dir,
+                                                                                        capsys):
+    data, run = tmp_path / "d.jsonl", tmp_path / "r"
+    argv = ["train", "sft", "--preset", "tiny", "--model", str(tiny_lm_dir), "--data", str(data), "--eval-fraction",
+            "0", "--progress", "false", "--tensorboard", "false", "--run-dir", str(run)]
+    data.write_text('{"messages": ' + "[" * 50_000 + "]" * 50_000 + "}\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ppoforge: error: data: file ") and "line 1 nests deeper than" in err and "\n" not in err
+    chat = [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "1 bad_role (first: line 1, messages message 0 has role 'human'; allowed: system, user" in err
+    assert (run / "data_report.json").is_file() and not (run / "config.yaml").exists()
+    chat[0]["role"] = "user"
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    assert main(argv) == 0, capsys.readouterr().err  # nothing had started in the run dir: it is reused
+    assert (run / "model").is_dir()
+
+
 def _rm_cfg(model, data, **kw):
     values = dict(model=str(model), data=str(data), layout="full", max_length=64, batch_size=16,
                   micro_batch_size=8, epochs=6, learning_rate=2e-3, eval_every=6, eval_fraction=0.25,

@@ -40,7 +40,7 @@ class RLHFConfig(FaultConfig):
                                      "and score head, as TRL does); default: the policy's trunk, zero head")
     # ---- data and reward
     prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, demo, or "
-                         "task:NAME?KEY=VALUE&... (a reasoning-gym task, with --reward task)")
+                         "task:NAME?KEY=VALUE&... (a reasoning-gym task, with --reward task)", data=True)
     prompt_field: str = param("prompt", "field of each row that holds the prompt text")
     heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
                                         "(eval/ metrics); none to skip", resume=True)
@@ -270,7 +270,7 @@ class SupervisedConfig(FaultConfig):
     lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
     lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
-    data: str = param("", "training data: a .jsonl/.json/.csv/.parquet file or a datasets name")
+    data: str = param("", "training data: a .jsonl/.json/.csv/.parquet file or a datasets name", data=True)
     data_split: str = param("train", "split of a datasets name or folder")
     eval_data: str | None = param(None, "held-out data (same format); none: eval_fraction of data", resume=True)
     eval_fraction: float = param(0.1, "share of data held out when eval_data is none (0: no evaluation)",

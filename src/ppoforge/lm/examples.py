@@ -19,12 +19,12 @@ from __future__ import annotations
 import numbers
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ppoforge.errors import UserError
-from ppoforge.lm.data import FILE_BUILDERS, read_json_rows
+from ppoforge.lm.datafiles import read_json_rows, read_source
 
 Conversation = list[dict]
+ROLES = ("system", "user", "assistant", "tool")  # the chat-template roles; ShareGPT's human/gpt are not
 
 
 @dataclass
@@ -71,6 +71,8 @@ class Drops:
         return f"{self.where}: {used} rows used, {sum(self.counts.values())} left out: {parts}"
 
 
+ALLOWED_SOURCES = "a .jsonl/.json/.csv/.parquet file or a datasets name"
+ALLOWED_ROWS = "messages, or prompt and completion, for SFT; chosen and rejected (and prompt) for preferences"
 BUILTIN = {"demo-pairs": "train", "demo-pairs-heldout": "heldout", "demo-sft": "train", "demo-sft-heldout": "heldout"}
 
 
@@ -88,24 +90,15 @@ def _builtin_rows(source: str) -> list[tuple[int, dict]]:
 def read_rows(source: str, split: str = "train") -> tuple[list[tuple[int, dict]], str]:
     """(line number, row) pairs of a data source and a description of it; JSON files keep their line
     numbers, other sources number their rows from 1. Built-in: demo-pairs[-heldout], demo-sft[-heldout]."""
-    import datasets
-
     if source in BUILTIN:
         return _builtin_rows(source), f"built-in {source}"
-    path = Path(source).expanduser()
-    if path.suffix.lower() in FILE_BUILDERS and FILE_BUILDERS[path.suffix.lower()] == "json":
-        if not path.is_file():
-            raise UserError(f"data: no file {path}; allowed: a .jsonl/.json/.csv/.parquet file or a datasets name")
-        return read_json_rows(path), f"file {path}"
-    builder = FILE_BUILDERS.get(path.suffix.lower())
     try:
-        ds = (datasets.load_dataset(builder, data_files=str(path), split="train") if builder
-              else datasets.load_dataset(source, split=split))
-    except Exception as e:  # noqa: BLE001 - unreadable, offline, bad split: one user-facing problem
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"data: cannot load {source} ({type(e).__name__}: {first}); allowed: a .jsonl/.json/"
-                        ".csv/.parquet file or a datasets name") from None
-    return list(enumerate(ds.to_list(), 1)), (f"file {path}" if builder else f"dataset {source!r} split {split!r}")
+        rows, _, where = read_source(source, split, ALLOWED_SOURCES)
+    except UserError as e:
+        raise UserError(f"data: {e}") from None
+    if not rows:
+        raise UserError(f"data: {where} has no rows; allowed: at least one row ({ALLOWED_ROWS})")
+    return rows, where
 
 
 # ---- rendering -------------------------------------------------------------------------------------
@@ -121,9 +114,11 @@ def _text(value, name: str) -> str:
 def _messages(value, name: str) -> Conversation:
     if not isinstance(value, list) or not value:
         raise RowError("not_messages", f"{name} is not a non-empty list of messages")
-    for m in value:
+    for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise RowError("bad_message", f"{name} holds {str(m)[:60]!r}; allowed: {{'role': ..., 'content': ...}}")
+        if m["role"] not in ROLES:  # a template renders any role: "human" would train as context, silently
+            raise RowError("bad_role", f"{name} message {i} has role {m['role'][:30]!r}; allowed: {', '.join(ROLES)}")
     return value
 
 
@@ -208,6 +203,8 @@ def split_prompt(row: dict):
     if "chosen" not in row or "rejected" not in row:
         raise RowError("missing_field", f"fields {sorted(row)}; allowed: chosen and rejected (and prompt)")
     chosen, rejected = row["chosen"], row["rejected"]
+    if chosen == rejected:  # before the prefix split, which would leave two empty completions
+        raise RowError("identical", "chosen and rejected are the same")
     if "prompt" in row and row["prompt"] is not None:
         return row["prompt"], chosen, rejected
     if isinstance(chosen, list) and isinstance(rejected, list):
@@ -250,8 +247,6 @@ def reward_input_ids(tokenizer, prompt, completion) -> list[int]:
 def preference_pair(row: dict, tokenizer, max_length: int) -> Pair:
     prompt, chosen, rejected = split_prompt(row)
     _conversation(prompt, chosen), _conversation(prompt, rejected)  # the checks: text, messages, not empty
-    if chosen == rejected:
-        raise RowError("identical", "chosen and rejected are the same")
     margin = row.get("margin", 0.0)
     if margin is None:
         margin = 0.0

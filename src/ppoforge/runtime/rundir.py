@@ -1,7 +1,9 @@
 """Run directories: nothing already written is lost, and nothing is half-written.
 
 - A new run refuses a run dir that already holds a run (`--resume` continues it, `--overwrite` starts
-  over), so a second `train` with the same `--run-dir` cannot silently replace a checkpoint.
+  over), so a second `train` with the same `--run-dir` cannot silently replace a checkpoint. A run has
+  started once its trainer wrote `config.yaml` (or a checkpoint): what an attempt wrote before that (a
+  `data_report.json` of data it refused) holds nothing to resume, so a retry clears it and goes on.
 - Every file a trainer rewrites (checkpoint, config) is written to a temp file beside it, fsynced and
   renamed over the target: a crash or a full disk at any moment leaves the old file or the new one.
   A temp file left by a write that was killed is removed by the next write of the same file.
@@ -17,9 +19,10 @@ from pathlib import Path
 from ppoforge.errors import UserError
 
 # what trainers write into a run dir (removed by --overwrite; anything else in the folder is left alone)
-RUN_FILES = ("checkpoint.pt", "checkpoint", "config.yaml", "code.json", "metrics.jsonl", "completions.jsonl", "tb",
-             "policy", "model", "summary.json", "samples.jsonl", "data_report.json", "learning_curve.png",
-             "reward_kl.png", "reward_gaps.png")
+RUN_FILES = ("checkpoint.pt", "checkpoint", "config.yaml", "code.json", "data_files.json", "metrics.jsonl",
+             "completions.jsonl", "tb", "policy", "model", "summary.json", "samples.jsonl", "data_report.json",
+             "learning_curve.png", "reward_kl.png", "reward_gaps.png")
+STARTED = ("checkpoint.pt", "checkpoint", "config.yaml")  # a run began here: written when its trainer starts
 
 
 def _temp_prefix(path: Path) -> str:
@@ -59,15 +62,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def prepare_new_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse a run dir that holds a run, unless `overwrite` (then remove what an earlier run wrote).
-    Under torchrun rank 0 alone checks (the others would race with its first writes)."""
+    """Refuse a run dir that holds a started run, unless `overwrite` (then remove what an earlier run
+    wrote); what an attempt left before its run started is removed either way. Under torchrun rank 0
+    alone checks (the others would race with its first writes)."""
     if int(os.environ.get("RANK", "0")) > 0:
         return
     run_dir = Path(run_dir)
     present = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not present:
-        return
-    if not overwrite:
+    if any(name in STARTED for name in present) and not overwrite:
         raise UserError(f"run_dir: {run_dir} already holds a run ({', '.join(present)}); allowed: --resume "
                         f"{run_dir} to continue it, --overwrite to replace it, or another --run-dir")
     for name in present:
