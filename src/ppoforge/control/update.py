@@ -104,7 +104,7 @@ def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Cont
 
 def _share(x: torch.Tensor) -> torch.Tensor | None:
     """This rank's rows / the global minibatch's rows (all-reduced); None at world 1."""
-    if distributed.world().size == 1:
+    if not distributed.collectives():
         return None
     n = distributed.all_sum(torch.tensor([float(x.shape[0])], device=x.device))[0]
     return x.shape[0] / n
@@ -130,6 +130,6 @@ def make_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlC
     """The hand-derived gradients for an fp32 agent on CPU (unless `hand_gradients` is false), else autograd.
     Either way a step whose loss or gradient norm is not finite is skipped (`guard`)."""
     on_cpu = next(agent.parameters()).device.type == "cpu"
-    if cfg.hand_gradients and on_cpu and precision.name == "fp32" and distributed.world().size == 1:
+    if cfg.hand_gradients and on_cpu and precision.name == "fp32" and not distributed.collectives():
         return handgrad_step(agent, optimizer, cfg, guard)
     return autograd_step(agent, optimizer, precision, cfg, guard)

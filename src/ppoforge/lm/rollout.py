@@ -206,11 +206,11 @@ def gather_rollout(b: Rollout, pad_id: int) -> Rollout:
     longest prompt (on the left) and response (on the right), padding masked out. Under FSDP every rank
     must run every mini-batch's forward and backward, so each trains an equal slice of each mini-batch of
     the global rollout (`RLHFTrainer._own_rows`). The identity at world 1."""
-    if distributed.world().size == 1:
+    if not distributed.collectives():
         return b
     n_resp = b.resp.shape[1]
     n_prompt = b.ids.shape[1] - n_resp
-    p_max, t_max = distributed.all_gather(torch.tensor([[n_prompt, n_resp]])).max(0).values.tolist()
+    p_max, t_max = distributed.all_gather(torch.tensor([[n_prompt, n_resp]], device=b.resp.device)).max(0).values.tolist()
 
     def both(x: torch.Tensor, value) -> torch.Tensor:  # (B, P + T) -> (B, p_max + t_max)
         prompt = torch.nn.functional.pad(x[:, :n_prompt], (p_max - n_prompt, 0), value=value)

@@ -204,7 +204,7 @@ class SupervisedTrainer:
     def _all_reduced(self, loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
         """The ranks' gradients, loss and stats summed (each already weighted by its share of the batch)
         in one all-reduce; as they are at world 1."""
-        if self.world.size == 1:
+        if not distributed.collectives():
             return loss, stats
         self.stat_keys = self.stat_keys or sorted(stats)
         zero = torch.zeros((), device=self.task.device)

@@ -334,7 +334,7 @@ class RLHFTrainer:
         loss's normalizer (the mini-batch's tokens or sequences, `loss_agg`) is counted once, here."""
         mb_mask = b.resp_mask[mb]
         mb_units, mb_tokens = self.agg.units(mb_mask), mb_mask.sum()
-        if self.world.size > 1:  # all ranks' units, before any backward: the single-process loss weights
+        if distributed.collectives():  # all ranks' units, before any backward: the single-process loss weights
             mb_units, mb_tokens = distributed.all_sum(torch.stack([mb_units, mb_tokens]))
         while True:
             self.optimizer.zero_grad(set_to_none=True)
@@ -418,14 +418,14 @@ class RLHFTrainer:
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
         keys = self.loss_keys + self.token_keys
         trained = gather_rollout(b, self.tokenizer.pad_token_id) if self.sharded else b
-        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, torch.tensor(float("nan")))
+        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, torch.tensor(float("nan"), device=b.resp.device))
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
         self.update += 1
         objective = rollout_metrics(b, samples.finished, kl, non_score, cfg.num_generations)
         if isinstance(samples, Episodes):
-            objective |= {k: torch.tensor(v) for k, v in episode_metrics(samples).items()}
+            objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in episode_metrics(samples).items()}
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
