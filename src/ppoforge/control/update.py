@@ -55,7 +55,7 @@ def ppo_update(step: MinibatchStep, batch: dict[str, torch.Tensor], cfg: Control
         for i in range(cfg.num_minibatches):
             mb_stats = step({k: v[i] for k, v in columns.items()}, with_stats)
             if with_stats:
-                stats.append(torch.as_tensor(mb_stats))
+                stats.append(mb_stats)  # a tensor on the agent's device (hand gradients: the CPU)
         if with_stats:
             mean = UpdateStats(*torch.stack(stats).mean(0).tolist())  # one host sync per epoch
             if cfg.target_kl is not None and mean.approx_kl > cfg.target_kl:
@@ -120,7 +120,7 @@ def handgrad_step(agent: ActorCritic, optimizer, cfg: ControlConfig, guard: NonF
         norm = grads.clip_grad_norm(cfg.max_grad_norm)
         if guard.step_ok(0.0, norm):
             optimizer.step()
-        return None if stats is None else torch.tensor(UpdateStats(**stats), dtype=torch.float64)
+        return None if stats is None else torch.tensor(UpdateStats(**stats), dtype=torch.float64)  # cpu: numpy path
 
     return step
 

@@ -418,7 +418,8 @@ class RLHFTrainer:
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
         keys = self.loss_keys + self.token_keys
         trained = gather_rollout(b, self.tokenizer.pad_token_id) if self.sharded else b
-        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, torch.tensor(float("nan"), device=b.resp.device))
+        skipped = torch.tensor(float("nan"), device=b.resp.device)
+        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
