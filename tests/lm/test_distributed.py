@@ -104,6 +104,27 @@ def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, overrides
     assert len(rows) == 4  # every rank's completions, written once by rank 0
 
 
+EPISODES = dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_coef=0, ppo_epochs=1,
+                mini_batch_size=4, micro_batch_size=1, env="guess_number?hi=4", reward="env", max_turns=2,
+                max_env_tokens=24)
+
+
+@pytest.mark.slow
+def test_episode_heldout_with_fewer_pairs_than_ranks_does_not_pair_collectives_wrongly(tiny_lm_dir, prompts_file,
+                                                                                        tmp_path):
+    """One held-out prompt, one sample: rank 1 holds no pair of the held-out batch. It must still join the
+    collectives the other rank runs while playing (the environment's error flag, `checked`), else every
+    later collective pairs with the wrong one (a hang, a DistTimeout, or gloo's size mismatch)."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    args = _args(tiny_lm_dir, prompts_file, tmp_path / "r", **EPISODES, heldout_prompts=heldout, heldout_samples=1,
+                 dist_timeout=20)
+    run = launch(args, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "heldout"] == [0, 1]  # before and after training
+
+
 def test_batch_that_does_not_divide_by_the_ranks_is_one_line_exit_2(tiny_lm_dir, prompts_file, tmp_path):
     run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", batch_size=3, mini_batch_size=3))
     assert run.returncode != 0
@@ -396,3 +417,44 @@ def test_supervised_fsdp_at_world_one_writes_a_sharded_checkpoint(tiny_lm_dir, t
     assert (run_dir / "checkpoint" / ".metadata").is_file() and not (run_dir / "checkpoint.pt").exists()
     assert main(["train", "sft", "--resume", str(run_dir), "--epochs", "1"]) == 0
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1] == 3
+
+
+def _forced_runs(kind, tiny_lm_dir, prompts_file, tmp_path):
+    """(the command line of a run in `run_dir`, the collectives it must go through) per kind of run."""
+    rlhf = {"all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list"}
+    if kind == "ppo":
+        return lambda run_dir: _args(tiny_lm_dir, prompts_file, run_dir), rlhf
+    if kind == "grpo-episodes-heldout":
+        heldout = tmp_path / "heldout.jsonl"
+        heldout.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+        return (lambda run_dir: _args(tiny_lm_dir, prompts_file, run_dir, **EPISODES, heldout_prompts=heldout,
+                                      heldout_samples=1), rlhf)
+    return (lambda run_dir: _supervised_args("sft", tiny_lm_dir, tmp_path, run_dir),
+            {"all_reduce", "broadcast", "broadcast_object_list"})
+
+
+@pytest.mark.parametrize("kind", ["ppo", "grpo-episodes-heldout", "sft-heldout"])
+def test_forced_collectives_at_world_one_give_the_same_metrics(kind, tiny_lm_dir, prompts_file, tmp_path,
+                                                               monkeypatch):
+    """PPOFORGE_FORCE_COLLECTIVES=1 without torchrun: a one-process gloo group, every all-reduce / gather
+    taken instead of the world-1 shortcut (counted), and the metrics of the plain world-1 run (the path one
+    GPU then runs is the one eight run)."""
+    from ppoforge.runtime import distributed
+
+    command, expected = _forced_runs(kind, tiny_lm_dir, prompts_file, tmp_path)
+    plain, forced = tmp_path / "plain", tmp_path / "forced"
+    assert main(command(plain)) == 0
+    ops = []
+    real = distributed._collective
+    monkeypatch.setattr(distributed, "_collective", lambda op, *a: (ops.append(op.__name__), real(op, *a))[1])
+    monkeypatch.setenv(distributed.FORCE_ENV, "1")
+    assert main(command(forced)) == 0
+    assert not distributed.collectives() and not torch.distributed.is_initialized()  # finish() left the group
+    assert expected <= set(ops), sorted(set(ops))
+    m1, m2 = read_metrics(plain / "metrics.jsonl"), read_metrics(forced / "metrics.jsonl")
+    assert [r["step"] for r in m1] == [r["step"] for r in m2]
+    assert any("eval/" in k for r in m1 for k in r) == (kind != "ppo")
+    for a, b in zip(_strip(m1), _strip(m2), strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=0, abs=1e-6), key
