@@ -189,9 +189,19 @@ def test_one_rank_failing_stops_all_with_one_line(tiny_lm_dir, prompts_file, tmp
         assert len(lines) == 1, run.stderr[-3000:]  # rank 0's; rank 1 leaves the line to it
         assert lines[0].startswith("ppoforge: error: rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError: "
                                    "boom on purpose; checkpoint at update 0: continue with "), lines
+        # bad input on rank 1: every worker exits 2 (its code), which the launcher's summary reports for each
+        # failed worker; the launcher itself exits 1 after its ChildFailedError traceback (torchrun's, not ours)
+        assert sorted(_worker_exit_codes(run.stderr)) == [2, 2] and run.returncode == 1, run.stderr[-3000:]
     else:
         assert lines and lines[0].startswith("ppoforge: error: rank 0: a collective did not complete within 8 s "
                                              "(dist_timeout)"), run.stderr[-3000:]
+
+
+def _worker_exit_codes(launcher_stderr: str) -> list[int]:
+    """The workers' exit codes in torchrun's failure summary (`exitcode  : 2 (pid: ...)`, one per failed rank)."""
+    import re
+
+    return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", launcher_stderr)]
 
 
 @pytest.mark.slow
@@ -256,16 +266,39 @@ def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_
     assert (two / "model" / "config.json").is_file()
 
 
+EXIT_RECORDER = textwrap.dedent("""
+    # `python -m ppoforge`, but each worker's exit code is written to exit.<RANK> in $EXIT_DIR: torchrun
+    # reports none of them after a SIGTERM, and distributed.finish leaves through os._exit
+    import os
+    import sys
+
+    from ppoforge.cli import main
+
+    _exit = os._exit
+
+    def record(code):
+        with open(os.path.join(os.environ["EXIT_DIR"], "exit." + os.environ["RANK"]), "w") as f:
+            f.write(str(code))
+        _exit(code)
+
+    os._exit = record
+    record(main(sys.argv[1:]))
+""")
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop after the update under way, rank 0
-    writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it."""
+    writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it. The launcher
+    then raises its own SignalException (a traceback) and exits 1: torchrun's, documented."""
     import time
 
     run_dir = tmp_path / "r"
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    (tmp_path / "exit_recorder.py").write_text(EXIT_RECORDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(tmp_path)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "EXIT_DIR": str(tmp_path)}
     launcher = subprocess.Popen(torchrun(_args(tiny_lm_dir, prompts_file, run_dir, total_updates=500,
-                                               ppo_epochs=1, checkpoint_every=1000), 2),
+                                               ppo_epochs=1, checkpoint_every=1000), 2, module="exit_recorder"),
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -274,6 +307,8 @@ def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=120)
     assert out.count("stopped by SIGTERM, checkpoint saved") == 1, out + err[-3000:]
+    assert [(tmp_path / f"exit.{r}").read_text() for r in (0, 1)] == ["0", "0"]  # every worker: exit 0
+    assert "SignalException" in err and launcher.returncode == 1  # the launcher's own ending
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert saved["update"] == read_metrics(metrics)[-1]["step"] >= 2
     assert not list(run_dir.glob(".checkpoint.pt.*.tmp"))  # no write left half done

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ppoforge.errors import Fault, UserError
+from ppoforge.errors import EXIT_USER, Fault, UserError
 from ppoforge.runtime.timeouts import StopRequested
 
 DEFAULT_TIMEOUT = 600.0  # seconds; the `dist_timeout` config default
@@ -69,9 +69,16 @@ class DistTimeout(Fault):
 
 
 class RankFailed(Fault):
-    """Another rank's update raised; the message names that rank and the cause."""
+    """Another rank's update raised; the message names that rank and the cause. Exit code 1."""
 
     ppoforge_shared = True  # every rank knows this line: rank 0 prints it (cli.main)
+
+
+class RankBadInput(UserError):
+    """Another rank stopped on bad input (its UserError, exit code 2): every rank exits 2 with it, so the
+    exit code torchrun's summary shows for whichever worker it saw fail first is ours."""
+
+    ppoforge_shared = True
 
 
 def env_world() -> World:
@@ -312,8 +319,9 @@ def barrier() -> None:
 def checked(fn, *args):
     """`fn(*args)` (a rank's collective-free work), then an error flag all-reduced: when any rank raised,
     every rank raises — the failing rank its own exception (its traceback and the run guard's note stay
-    its own), the others `RankFailed` with the failing rank's one line — so rank 0 prints one line that
-    names the rank and the cause. A stop request (SIGTERM inside a user call) on any rank stops all."""
+    its own), the others `RankFailed` with the failing rank's one line (`RankBadInput` when that was bad
+    input: every rank then exits 2, the failing rank's code) — so rank 0 prints one line that names the
+    rank and the cause. A stop request (SIGTERM inside a user call) on any rank stops all."""
     if not _active:
         return fn(*args)
     result, error = None, None
@@ -329,19 +337,22 @@ def checked(fn, *args):
     if kind.max() == 1:
         raise error if error is not None else StopRequested("SIGTERM")
     first = int((kind == 2).nonzero()[0])
-    line = [f"rank {_world.rank}: {_describe(error)}" if first == _world.rank else None]
-    _collective(dist.broadcast_object_list, line, first)
+    failure = [_describe(error) if first == _world.rank else None]  # (exit code, "rank r: ...")
+    _collective(dist.broadcast_object_list, failure, first)
     if error is not None and not isinstance(error, StopRequested):
         error.ppoforge_shared = True
         error.ppoforge_rank = _world.rank
         raise error
-    raise RankFailed(line[0])
+    code, line = failure[0]
+    raise RankBadInput(line) if code == EXIT_USER else RankFailed(line)
 
 
-def _describe(e: BaseException) -> str:
+def _describe(e: BaseException) -> tuple[int, str]:
+    """(exit code, the failing rank's line) of this rank's exception."""
     from ppoforge.errors import classify
 
-    return classify(e)[1]
+    code, line = classify(e)
+    return code, f"rank {_world.rank}: {line}"
 
 
 def _device() -> torch.device:
