@@ -128,7 +128,9 @@ def test_episode_heldout_with_fewer_pairs_than_ranks_does_not_pair_collectives_w
 def test_batch_that_does_not_divide_by_the_ranks_is_one_line_exit_2(tiny_lm_dir, prompts_file, tmp_path):
     run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", batch_size=3, mini_batch_size=3))
     assert run.returncode != 0
-    assert "batch_size: 3 does not divide by the 2 ranks" in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("ppoforge: error:")]
+    assert len(lines) == 1 and "batch_size: 3 does not divide by the 2 ranks" in lines[0], run.stderr[-3000:]
+    assert 2 in _worker_exit_codes(run.stderr)  # every rank knows it: rank 0 alone prints it; exit 2
 
 
 @pytest.mark.slow

@@ -132,11 +132,13 @@ def is_main() -> bool:
 
 def shard(n_global: int, what: str) -> slice:
     """This rank's contiguous slice of `n_global` items, which must divide by the world size (a UserError
-    naming `what` otherwise)."""
+    naming `what` otherwise: every rank finds it alike, so rank 0 alone prints it)."""
     size = _world.size
     if n_global % size:
-        raise UserError(f"{what}: {n_global} does not divide by the {size} ranks of this torchrun; allowed: a "
-                        f"multiple of {size}, or --nproc_per_node that divides it")
+        e = UserError(f"{what}: {n_global} does not divide by the {size} ranks of this torchrun; allowed: a "
+                      f"multiple of {size}, or --nproc_per_node that divides it")
+        e.ppoforge_shared = True
+        raise e
     n = n_global // size
     return slice(_world.rank * n, (_world.rank + 1) * n)
 
