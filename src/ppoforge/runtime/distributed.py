@@ -27,7 +27,8 @@ torch: user code such as a reward function) are seeded per rank, `seed + rank`.
 
 Failure: `checked(fn)` runs a rank's collective-free work (sampling, reward calls) and then all-reduces
 an error flag, so one rank's exception becomes the same one-line error on every rank ("rank 1: reward
-my_reward raised ValueError: ..."); a rank that hangs or dies surfaces as a collective timeout on the
+my_reward raised ValueError: ...") and the same exit code (2 for bad input, `RankBadInput` on the
+others; 1 for a fault, `RankFailed`); a rank that hangs or dies surfaces as a collective timeout on the
 others (`DistTimeout`), and torchrun stops the rest when a worker process exits.
 """
 
