@@ -104,10 +104,33 @@ def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, overrides
     assert len(rows) == 4  # every rank's completions, written once by rank 0
 
 
+EPISODES = dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_coef=0, ppo_epochs=1,
+                mini_batch_size=4, micro_batch_size=1, env="guess_number?hi=4", reward="env", max_turns=2,
+                max_env_tokens=24)
+
+
+@pytest.mark.slow
+def test_episode_heldout_with_fewer_pairs_than_ranks_does_not_pair_collectives_wrongly(tiny_lm_dir, prompts_file,
+                                                                                        tmp_path):
+    """One held-out prompt, one sample: rank 1 holds no pair of the held-out batch. It must still join the
+    collectives the other rank runs while playing (the environment's error flag, `checked`), else every
+    later collective pairs with the wrong one (a hang, a DistTimeout, or gloo's size mismatch)."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    args = _args(tiny_lm_dir, prompts_file, tmp_path / "r", **EPISODES, heldout_prompts=heldout, heldout_samples=1,
+                 dist_timeout=20)
+    run = launch(args, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "heldout"] == [0, 1]  # before and after training
+
+
 def test_batch_that_does_not_divide_by_the_ranks_is_one_line_exit_2(tiny_lm_dir, prompts_file, tmp_path):
     run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", batch_size=3, mini_batch_size=3))
     assert run.returncode != 0
-    assert "batch_size: 3 does not divide by the 2 ranks" in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("ppoforge: error:")]
+    assert len(lines) == 1 and "batch_size: 3 does not divide by the 2 ranks" in lines[0], run.stderr[-3000:]
+    assert 2 in _worker_exit_codes(run.stderr)  # every rank knows it: rank 0 alone prints it; exit 2
 
 
 @pytest.mark.slow
@@ -168,9 +191,19 @@ def test_one_rank_failing_stops_all_with_one_line(tiny_lm_dir, prompts_file, tmp
         assert len(lines) == 1, run.stderr[-3000:]  # rank 0's; rank 1 leaves the line to it
         assert lines[0].startswith("ppoforge: error: rank 1: reward py:ddp_rewards:raise_on_rank1 raised ValueError: "
                                    "boom on purpose; checkpoint at update 0: continue with "), lines
+        # bad input on rank 1: every worker exits 2 (its code), which the launcher's summary reports for each
+        # failed worker; the launcher itself exits 1 after its ChildFailedError traceback (torchrun's, not ours)
+        assert sorted(_worker_exit_codes(run.stderr)) == [2, 2] and run.returncode == 1, run.stderr[-3000:]
     else:
         assert lines and lines[0].startswith("ppoforge: error: rank 0: a collective did not complete within 8 s "
                                              "(dist_timeout)"), run.stderr[-3000:]
+
+
+def _worker_exit_codes(launcher_stderr: str) -> list[int]:
+    """The workers' exit codes in torchrun's failure summary (`exitcode  : 2 (pid: ...)`, one per failed rank)."""
+    import re
+
+    return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", launcher_stderr)]
 
 
 @pytest.mark.slow
@@ -235,16 +268,39 @@ def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_
     assert (two / "model" / "config.json").is_file()
 
 
+EXIT_RECORDER = textwrap.dedent("""
+    # `python -m ppoforge`, but each worker's exit code is written to exit.<RANK> in $EXIT_DIR: torchrun
+    # reports none of them after a SIGTERM, and distributed.finish leaves through os._exit
+    import os
+    import sys
+
+    from ppoforge.cli import main
+
+    _exit = os._exit
+
+    def record(code):
+        with open(os.path.join(os.environ["EXIT_DIR"], "exit." + os.environ["RANK"]), "w") as f:
+            f.write(str(code))
+        _exit(code)
+
+    os._exit = record
+    record(main(sys.argv[1:]))
+""")
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop after the update under way, rank 0
-    writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it."""
+    writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it. The launcher
+    then raises its own SignalException (a traceback) and exits 1: torchrun's, documented."""
     import time
 
     run_dir = tmp_path / "r"
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    (tmp_path / "exit_recorder.py").write_text(EXIT_RECORDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(tmp_path)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "EXIT_DIR": str(tmp_path)}
     launcher = subprocess.Popen(torchrun(_args(tiny_lm_dir, prompts_file, run_dir, total_updates=500,
-                                               ppo_epochs=1, checkpoint_every=1000), 2),
+                                               ppo_epochs=1, checkpoint_every=1000), 2, module="exit_recorder"),
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -253,6 +309,8 @@ def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=120)
     assert out.count("stopped by SIGTERM, checkpoint saved") == 1, out + err[-3000:]
+    assert [(tmp_path / f"exit.{r}").read_text() for r in (0, 1)] == ["0", "0"]  # every worker: exit 0
+    assert "SignalException" in err and launcher.returncode == 1  # the launcher's own ending
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert saved["update"] == read_metrics(metrics)[-1]["step"] >= 2
     assert not list(run_dir.glob(".checkpoint.pt.*.tmp"))  # no write left half done
@@ -396,3 +454,44 @@ def test_supervised_fsdp_at_world_one_writes_a_sharded_checkpoint(tiny_lm_dir, t
     assert (run_dir / "checkpoint" / ".metadata").is_file() and not (run_dir / "checkpoint.pt").exists()
     assert main(["train", "sft", "--resume", str(run_dir), "--epochs", "1"]) == 0
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1] == 3
+
+
+def _forced_runs(kind, tiny_lm_dir, prompts_file, tmp_path):
+    """(the command line of a run in `run_dir`, the collectives it must go through) per kind of run."""
+    rlhf = {"all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list"}
+    if kind == "ppo":
+        return lambda run_dir: _args(tiny_lm_dir, prompts_file, run_dir), rlhf
+    if kind == "grpo-episodes-heldout":
+        heldout = tmp_path / "heldout.jsonl"
+        heldout.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+        return (lambda run_dir: _args(tiny_lm_dir, prompts_file, run_dir, **EPISODES, heldout_prompts=heldout,
+                                      heldout_samples=1), rlhf)
+    return (lambda run_dir: _supervised_args("sft", tiny_lm_dir, tmp_path, run_dir),
+            {"all_reduce", "broadcast", "broadcast_object_list"})
+
+
+@pytest.mark.parametrize("kind", ["ppo", "grpo-episodes-heldout", "sft-heldout"])
+def test_forced_collectives_at_world_one_give_the_same_metrics(kind, tiny_lm_dir, prompts_file, tmp_path,
+                                                               monkeypatch):
+    """PPOFORGE_FORCE_COLLECTIVES=1 without torchrun: a one-process gloo group, every all-reduce / gather
+    taken instead of the world-1 shortcut (counted), and the metrics of the plain world-1 run (the path one
+    GPU then runs is the one eight run)."""
+    from ppoforge.runtime import distributed
+
+    command, expected = _forced_runs(kind, tiny_lm_dir, prompts_file, tmp_path)
+    plain, forced = tmp_path / "plain", tmp_path / "forced"
+    assert main(command(plain)) == 0
+    ops = []
+    real = distributed._collective
+    monkeypatch.setattr(distributed, "_collective", lambda op, *a: (ops.append(op.__name__), real(op, *a))[1])
+    monkeypatch.setenv(distributed.FORCE_ENV, "1")
+    assert main(command(forced)) == 0
+    assert not distributed.collectives() and not torch.distributed.is_initialized()  # finish() left the group
+    assert expected <= set(ops), sorted(set(ops))
+    m1, m2 = read_metrics(plain / "metrics.jsonl"), read_metrics(forced / "metrics.jsonl")
+    assert [r["step"] for r in m1] == [r["step"] for r in m2]
+    assert any("eval/" in k for r in m1 for k in r) == (kind != "ppo")
+    for a, b in zip(_strip(m1), _strip(m2), strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=0, abs=1e-6), key

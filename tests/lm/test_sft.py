@@ -199,3 +199,37 @@ def test_causal_reward_model_batches_score_each_pair_as_alone(tmp_path, tiny_rew
         batch = torch.stack(task.rewards(items))
         alone = torch.stack([torch.cat(task.rewards([p])) for p in items], dim=1)
     torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sft", "reward"])
+def test_the_all_reduce_layout_is_the_tasks_stat_keys_not_the_first_batchs(tmp_path, tiny_lm_dir,
+                                                                           tiny_reward_model_dir, sft_file,
+                                                                           pairs_file, monkeypatch, kind):
+    """Under torchrun a rank whose first step holds no items (a resume into an epoch's partial last batch)
+    has no stats: its flat all-reduce must still be as long as the others' (gloo errors on a length
+    mismatch, NCCL is undefined). The layout is the task's declared `stat_keys`, which its loss returns."""
+    from ppoforge.lm import reward_model, sft
+    from ppoforge.runtime import distributed
+
+    if kind == "sft":
+        cfg = _sft_cfg(tiny_lm_dir, sft_file)
+        task = sft.SFTTask(cfg, tmp_path)
+    else:
+        cfg = _rm_cfg(tiny_reward_model_dir, pairs_file)
+        task = reward_model.RewardTask(cfg, tmp_path)
+    trainer = sft.SupervisedTrainer(cfg, tmp_path, task)
+    with torch.no_grad():
+        _, stats = task.loss(task.train_items[:2])
+    lengths = []
+
+    def fake_all_reduce_grads(params, extra):
+        lengths.append(extra.numel())
+        return extra
+
+    monkeypatch.setattr(distributed, "_active", True, raising=False)
+    monkeypatch.setattr(trainer, "world", distributed.World(1, 2, 1))
+    monkeypatch.setattr(distributed, "all_reduce_grads", fake_all_reduce_grads)
+    loss, summed = trainer._all_reduced(torch.zeros(()), {})  # this rank: no items, no stats
+    trainer._all_reduced(torch.zeros(()), stats)  # the next step: the stats are back
+    assert lengths == [1 + len(stats)] * 2 and sorted(summed) == sorted(stats)
+    assert sorted(stats) == sorted(task.stat_keys)  # what the loss returns is what the task declares

@@ -118,3 +118,56 @@ def test_two_gloo_ranks_all_reduce_flag_errors_and_time_out():
     name, line = results[0]["timeout"]
     assert name == "DistTimeout" and line.startswith("rank 0: a collective did not complete within 5 s")
 
+
+
+def test_mean_metrics_gathers_values_from_several_devices_on_the_backend_device(monkeypatch):
+    """A host-side count (a multi-turn episode metric) beside device statistics: one stack on the
+    collective's device, not "Expected all tensors to be on the same device". `meta` stands in for the GPU
+    that NCCL reduces on (no GPU here); the fake all-reduce refuses any other device, as NCCL does."""
+    seen = []
+
+    def nccl_like_all_reduce(t):
+        assert t.device.type == "meta", f"NCCL would refuse a {t.device} tensor"
+        seen.append(t.shape)
+
+    monkeypatch.setattr(distributed, "_active", True, raising=False)  # (absent before the switch)
+    monkeypatch.setattr(distributed, "_world", distributed.World(0, 2, 0))
+    monkeypatch.setattr(distributed, "_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(distributed.dist, "all_reduce", nccl_like_all_reduce)
+    out = distributed.mean_metrics({"env/turns": torch.tensor(2.0), "objective/kl": torch.zeros((), device="meta"),
+                                    "val/num_eos_tokens": torch.ones(1, device="meta")}, summed=("val/num_eos_tokens",))
+    assert seen == [torch.Size([3])] and list(out) == ["env/turns", "objective/kl", "val/num_eos_tokens"]
+    assert all(v.device.type == "meta" for v in out.values())
+
+
+def test_forced_collectives_at_world_one_run_every_collective_and_change_nothing(monkeypatch):
+    """PPOFORGE_FORCE_COLLECTIVES=1 at world 1: a one-process gloo group; every helper goes through its
+    collective (counted) and returns what the world-1 shortcut returns; finish() leaves the group."""
+    monkeypatch.setenv(distributed.FORCE_ENV, "1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    ops = []
+    real = distributed._collective
+    monkeypatch.setattr(distributed, "_collective", lambda op, *a: (ops.append(op.__name__), real(op, *a))[1])
+    assert distributed.init(5.0) == distributed.World(0, 1, 0)
+    try:
+        assert distributed.collectives() and distributed.dist.is_initialized()
+        x = torch.arange(3.0)
+        assert distributed.all_sum(x) is x and x.tolist() == [0.0, 1.0, 2.0]  # in place, as before
+        assert torch.equal(distributed.all_mean(torch.ones(2)), torch.ones(2))
+        assert torch.equal(distributed.all_gather(x), x) and distributed.gather_rows(["a"]) == ["a"]
+        assert distributed.any_true(True) and not distributed.any_true(False)
+        assert distributed.checked(lambda a: a + 1, 1) == 2 and distributed.rank0_value("d") == "d"
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.full((2,), 3.0)
+        assert distributed.all_reduce_grads([p], torch.tensor([5.0])).tolist() == [5.0] and p.grad.tolist() == [3.0] * 2
+        distributed.broadcast_params([p])
+        assert distributed.mean_metrics({"a": torch.tensor(4.0)})["a"].item() == 4.0
+        assert distributed.reducer() is distributed.all_sum
+        distributed.barrier()
+        assert {"all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
+                "barrier"} <= set(ops)
+    finally:
+        distributed.finish(0)  # the forced group is left; the process goes on (no os._exit)
+    assert not distributed.collectives() and not distributed.dist.is_initialized()
+    assert distributed.all_sum(x) is x

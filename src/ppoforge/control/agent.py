@@ -38,14 +38,14 @@ class TwinMLP(nn.Module):
         super().__init__()
         self.n_out = n_out
         sizes = [(n_in, hidden), (hidden, hidden), (hidden, max(n_out))]
-        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(2, a, b)) for a, b in sizes)
-        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(2, 1, b)) for _, b in sizes)
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(2, a, b)) for a, b in sizes)  # cpu: agent.to(device)
+        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(2, 1, b)) for _, b in sizes)  # cpu: agent.to(device)
         gains = [(SQRT2, SQRT2), (SQRT2, SQRT2), out_gains]
         with torch.no_grad():
             for layer, (w, layer_gains) in enumerate(zip(self.weights, gains, strict=True)):
                 for i, gain in enumerate(layer_gains):
                     cols = n_out[i] if layer == 2 else w.shape[2]
-                    init = torch.empty(cols, w.shape[1])  # nn.Linear's (out, in) layout
+                    init = torch.empty(cols, w.shape[1])  # nn.Linear's (out, in) layout  # cpu: orthogonal init
                     nn.init.orthogonal_(init, gain)
                     w[i, :, :cols] = init.T
 
@@ -64,7 +64,7 @@ class ActorCritic(nn.Module):
         super().__init__()
         self.continuous, self.act_dim = continuous, act_dim
         self.net = TwinMLP(obs_dim, hidden, (act_dim, 1), out_gains=(0.01, 1.0))
-        self.log_std = nn.Parameter(torch.zeros(act_dim)) if continuous else None
+        self.log_std = nn.Parameter(torch.zeros(act_dim)) if continuous else None  # cpu: agent.to(device)
 
     @classmethod
     def from_state_dict(cls, state: dict) -> ActorCritic:

@@ -96,7 +96,7 @@ class ControlTrainer:
                                           **({"fused": True} if self.device.type in ("cpu", "cuda") else {}))
         self.runner = EnvRunner(envs, cfg.seed + self.envs_shard.start, cfg.gamma, cfg.normalize_obs,
                                 cfg.normalize_reward, cfg.clip_obs, cfg.clip_reward,  # env i: seed + global i
-                                gather=distributed.all_gather_np if self.world.size > 1 else None)
+                                gather=distributed.all_gather_np if distributed.collectives() else None)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, distributed.sliced_rng(self.policy_rng, self.envs_shard, cfg.num_envs))
         distributed.broadcast_params(self.agent.parameters())
@@ -178,10 +178,10 @@ class ControlTrainer:
         ro = distributed.checked(call_with_timeout, lambda: self.runner.collect(self.policy, cfg.num_steps),
                                  cfg.call_timeout, f"a rollout of {cfg.num_steps} steps of {cfg.env_id}")
         rewards = torch.from_numpy(ro.rewards)  # (T, N): the guard sees every rank's, and decides alike
-        if self.world.size > 1:
+        if distributed.collectives():
             rewards = distributed.all_gather(rewards.T.contiguous()).T
         finite, rewards = self.guard.rewards_ok(rewards, cfg.reward_clip)
-        ro.rewards = (rewards[:, self.envs_shard] if self.world.size > 1 else rewards).numpy()
+        ro.rewards = (rewards[:, self.envs_shard] if distributed.collectives() else rewards).numpy()
         adv, ret = rollout_advantages(ro, cfg.gamma, cfg.gae_lambda)
         batch = _flatten(ro, adv, ret, self.device)
         self.optimizing = True

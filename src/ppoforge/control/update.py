@@ -55,7 +55,7 @@ def ppo_update(step: MinibatchStep, batch: dict[str, torch.Tensor], cfg: Control
         for i in range(cfg.num_minibatches):
             mb_stats = step({k: v[i] for k, v in columns.items()}, with_stats)
             if with_stats:
-                stats.append(torch.as_tensor(mb_stats))
+                stats.append(mb_stats)  # a tensor on the agent's device (hand gradients: the CPU)
         if with_stats:
             mean = UpdateStats(*torch.stack(stats).mean(0).tolist())  # one host sync per epoch
             if cfg.target_kl is not None and mean.approx_kl > cfg.target_kl:
@@ -104,7 +104,7 @@ def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Cont
 
 def _share(x: torch.Tensor) -> torch.Tensor | None:
     """This rank's rows / the global minibatch's rows (all-reduced); None at world 1."""
-    if distributed.world().size == 1:
+    if not distributed.collectives():
         return None
     n = distributed.all_sum(torch.tensor([float(x.shape[0])], device=x.device))[0]
     return x.shape[0] / n
@@ -120,7 +120,7 @@ def handgrad_step(agent: ActorCritic, optimizer, cfg: ControlConfig, guard: NonF
         norm = grads.clip_grad_norm(cfg.max_grad_norm)
         if guard.step_ok(0.0, norm):
             optimizer.step()
-        return None if stats is None else torch.tensor(UpdateStats(**stats), dtype=torch.float64)
+        return None if stats is None else torch.tensor(UpdateStats(**stats), dtype=torch.float64)  # cpu: numpy path
 
     return step
 
@@ -130,6 +130,6 @@ def make_step(agent: ActorCritic, optimizer, precision: Precision, cfg: ControlC
     """The hand-derived gradients for an fp32 agent on CPU (unless `hand_gradients` is false), else autograd.
     Either way a step whose loss or gradient norm is not finite is skipped (`guard`)."""
     on_cpu = next(agent.parameters()).device.type == "cpu"
-    if cfg.hand_gradients and on_cpu and precision.name == "fp32" and distributed.world().size == 1:
+    if cfg.hand_gradients and on_cpu and precision.name == "fp32" and not distributed.collectives():
         return handgrad_step(agent, optimizer, cfg, guard)
     return autograd_step(agent, optimizer, precision, cfg, guard)

@@ -191,10 +191,10 @@ def _append(decoder: Decoder, chunks: dict[int, list[int]], batch: int, pad_id: 
     """One chunked prefill of every live row's tokens, right-aligned (the chunk's last slot is each row's
     last token); the other rows' slots are holes. Returns the next-token logits."""
     width = max(len(c) for c in chunks.values())
-    ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long)  # cpu: filled on the host, one copy to device
+    valid = torch.zeros(batch, width, dtype=torch.bool)  # cpu: filled on the host, moved below
     for i, c in chunks.items():
-        ids[i, width - len(c):] = torch.tensor(c)
+        ids[i, width - len(c):] = torch.tensor(c)  # cpu: into a host tensor
         valid[i, width - len(c):] = True
     return decoder.extend(ids.to(device), valid.to(device))[0]
 
@@ -202,16 +202,16 @@ def _append(decoder: Decoder, chunks: dict[int, list[int]], batch: int, pad_id: 
 def _assemble(states: list[_Row], renderer, prompt_ids, prompt_mask, params: SamplingParams, device) -> Episodes:
     width = max(len(s.tokens) for s in states)
     batch = len(states)
-    ids = torch.full((batch, width), params.pad_id, dtype=torch.long)
-    tokens, action = torch.zeros(batch, width), torch.zeros(batch, width)
-    logp, rewards = torch.zeros(batch, width), torch.zeros(batch, width)
-    scores, mismatches = torch.zeros(batch), 0
+    ids = torch.full((batch, width), params.pad_id, dtype=torch.long)  # cpu: host-built, moved in Episodes()
+    tokens, action = torch.zeros(batch, width), torch.zeros(batch, width)  # cpu: moved below
+    logp, rewards = torch.zeros(batch, width), torch.zeros(batch, width)  # cpu: moved below
+    scores, mismatches = torch.zeros(batch), 0  # cpu: moved below
     for i, s in enumerate(states):
         n = len(s.tokens)
-        ids[i, :n] = torch.tensor(s.tokens)
+        ids[i, :n] = torch.tensor(s.tokens)  # cpu: into a host tensor
         tokens[i, :n] = 1.0
-        action[i, :n] = torch.tensor(s.policy, dtype=torch.float32)
-        logp[i, :n] = torch.tensor(s.logp)
+        action[i, :n] = torch.tensor(s.policy, dtype=torch.float32)  # cpu: into a host tensor
+        logp[i, :n] = torch.tensor(s.logp)  # cpu: into a host tensor
         for j, r in s.rewards.items():
             rewards[i, j] = r
         score = getattr(s.env, "score", None)

@@ -47,15 +47,15 @@ def pack(examples: list[Example], max_length: int) -> list[list[Example]]:
 
 def collate(rows: list[list[Example]], pad_id: int, device) -> TokenBatch:
     width = max(sum(len(ex.ids) for ex in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    segments = torch.zeros(len(rows), width, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # cpu: filled on the host, moved at the end
+    mask = torch.zeros(len(rows), width)  # cpu: moved at the end
+    segments = torch.zeros(len(rows), width, dtype=torch.long)  # cpu: moved at the end
     for i, row in enumerate(rows):
         at = 0
         for k, ex in enumerate(row, 1):
             n = len(ex.ids)
-            ids[i, at:at + n] = torch.tensor(ex.ids)
-            mask[i, at:at + n] = torch.tensor(ex.loss_mask, dtype=torch.float32)
+            ids[i, at:at + n] = torch.tensor(ex.ids)  # cpu: into a host tensor
+            mask[i, at:at + n] = torch.tensor(ex.loss_mask, dtype=torch.float32)  # cpu: into a host tensor
             mask[i, at] = 0.0  # a sample's first token has no prediction inside its own segment
             segments[i, at:at + n] = k
             at += n

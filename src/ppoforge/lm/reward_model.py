@@ -28,6 +28,7 @@ from ppoforge.runtime import distributed
 
 class RewardTask:
     name = "reward"
+    stat_keys = ("accuracy", "gap")  # what `loss` (bradley_terry_loss) returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
     def __init__(self, cfg: RewardConfig, run_dir: Path):
@@ -97,7 +98,7 @@ class RewardTask:
                 for s in range(0, len(items), self.cfg.micro_batch_size)]
         gaps = torch.cat(gaps).tolist() if gaps else []
         # every rank's (sharded, every rank scored every pair: FSDP's lockstep)
-        gaps = torch.tensor(gaps if self.sharded else distributed.gather_rows(gaps))
+        gaps = torch.tensor(gaps if self.sharded else distributed.gather_rows(gaps))  # cpu: host floats: plot, float()
         if distributed.is_main():
             plot_gaps(gaps, self.run_dir / "reward_gaps.png")
         return {"eval/accuracy": float((gaps > 0).float().mean()), "eval/gap": float(gaps.mean()),

@@ -182,7 +182,7 @@ def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], f
     """Validated rewards, float32 of shape (B,); `rows` are the prompt rows, passed on as columns."""
     columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {}) if k not in _POSITIONAL}
     values = _checked(fn, name, prompts, completions, {**columns, "finished": list(finished)})
-    return torch.tensor(values, dtype=torch.float32)  # (B,)
+    return torch.tensor(values, dtype=torch.float32)  # (B,)  # cpu: user floats; callers .to(device)
 
 
 # ---- specs -------------------------------------------------------------------------------------------

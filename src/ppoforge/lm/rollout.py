@@ -67,10 +67,10 @@ class Rollout:
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists -> (B, P) ids left-padded with pad_id and the (B, P) int64 0/1 mask."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # cpu: filled on the host, moved at the end
+    mask = torch.zeros(len(rows), width, dtype=torch.long)  # cpu: moved at the end
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)  # cpu: into a host tensor
         mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
@@ -79,10 +79,10 @@ def right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     """Token id lists -> (B, L) ids right-padded with pad_id and the (B, L) int64 0/1 mask: every row
     starts at position 0, as it would alone (what absolute-position and first-token-pooling models need)."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # cpu: filled on the host, moved at the end
+    mask = torch.zeros(len(rows), width, dtype=torch.long)  # cpu: moved at the end
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)  # cpu: into a host tensor
         mask[i, :len(r)] = 1
     return ids.to(device), mask.to(device)
 
@@ -208,11 +208,12 @@ def gather_rollout(b: Rollout, pad_id: int) -> Rollout:
     longest prompt (on the left) and response (on the right), padding masked out. Under FSDP every rank
     must run every mini-batch's forward and backward, so each trains an equal slice of each mini-batch of
     the global rollout (`RLHFTrainer._own_rows`). The identity at world 1."""
-    if distributed.world().size == 1:
+    if not distributed.collectives():
         return b
     n_resp = b.resp.shape[1]
     n_prompt = b.ids.shape[1] - n_resp
-    p_max, t_max = distributed.all_gather(torch.tensor([[n_prompt, n_resp]])).max(0).values.tolist()
+    widths = torch.tensor([[n_prompt, n_resp]], device=b.resp.device)
+    p_max, t_max = distributed.all_gather(widths).max(0).values.tolist()
 
     def both(x: torch.Tensor, value) -> torch.Tensor:  # (B, P + T) -> (B, p_max + t_max)
         prompt = torch.nn.functional.pad(x[:, :n_prompt], (p_max - n_prompt, 0), value=value)

@@ -71,6 +71,7 @@ class Backbone(torch.nn.Module):
 
 class SFTTask:
     name = "sft"
+    stat_keys = ("accuracy_proxy",)  # what `loss` returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
     def __init__(self, cfg: SFTConfig, run_dir: Path):
@@ -148,7 +149,8 @@ class SFTTask:
             logp = self._target_logprobs(items[s:s + self.cfg.micro_batch_size])
             total, tokens = total - float(logp.sum()), tokens + logp.numel()
         if not self.sharded:  # sharded, every rank scored every item (FSDP's lockstep)
-            total, tokens = distributed.all_sum(torch.tensor([total, tokens], dtype=torch.float64)).tolist()
+            sums = torch.tensor([total, tokens], dtype=torch.float64, device=self.device)
+            total, tokens = distributed.all_sum(sums).tolist()
         loss = total / max(tokens, 1)
         if self.sharded:  # every rank samples the same completions in lockstep, each layer gathered per step
             from ppoforge.runtime.fsdp import full_weights
@@ -158,7 +160,7 @@ class SFTTask:
             self.release()
         elif distributed.is_main():
             self._write_samples()
-        return {"eval/loss": loss, "eval/perplexity": float(torch.tensor(loss).exp())}
+        return {"eval/loss": loss, "eval/perplexity": float(torch.tensor(loss).exp())}  # cpu: a host float's exp
 
     def _write_samples(self) -> None:
         """Completions of the first held-out prompts, sampled with a fixed seed, into samples.jsonl."""

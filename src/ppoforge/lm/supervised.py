@@ -60,6 +60,10 @@ class Task(Protocol):
     def units(self, items: list) -> torch.Tensor: ...  # loss units in items (tokens, pairs): the mean's divisor
 
     def loss(self, items: list) -> tuple[torch.Tensor, dict]: ...  # mean loss over items' units, detached stats
+    #   under the names in `stat_keys`
+
+    stat_keys: tuple[str, ...]  # the stats `loss` returns: the fixed layout of the per-step all-reduce, the same
+    #   on every rank whatever its items (none included)
 
     def evaluate(self, items: list) -> dict: ...  # eval/ metrics over this rank's slice of the held-out items,
     #   combined over the ranks (the same on every rank); rank 0 writes what goes into the run dir
@@ -95,7 +99,6 @@ class SupervisedTrainer:
         if not self.sharded:
             distributed.broadcast_params(self.params)
         distributed.reseed(cfg.seed)
-        self.stat_keys: list[str] | None = None  # the task's stats, fixed by the first step (all-reduce layout)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                            fused=task.device.type in ("cpu", "cuda"))
         n = len(task.train_items)
@@ -204,15 +207,15 @@ class SupervisedTrainer:
     def _all_reduced(self, loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
         """The ranks' gradients, loss and stats summed (each already weighted by its share of the batch)
         in one all-reduce; as they are at world 1."""
-        if self.world.size == 1:
+        if not distributed.collectives():
             return loss, stats
-        self.stat_keys = self.stat_keys or sorted(stats)
+        keys = self.task.stat_keys  # declared, not read from this rank's data: a rank without items has none
         zero = torch.zeros((), device=self.task.device)
-        extra = torch.stack([loss.reshape(()), *(torch.as_tensor(stats.get(k, zero)).reshape(()).to(zero)
-                                                  for k in self.stat_keys)]).float()
+        extra = torch.stack([loss.reshape(()), *(torch.as_tensor(stats.get(k, zero), device=zero.device)
+                                                 .reshape(()).to(zero) for k in keys)]).float()
         # one all-reduce (sharded: of the loss and stats alone, FSDP reduced the gradients in backward)
         summed = distributed.all_sum(extra) if self.sharded else distributed.all_reduce_grads(self.params, extra)
-        return summed[0], dict(zip(self.stat_keys, summed[1:], strict=True))
+        return summed[0], dict(zip(keys, summed[1:], strict=True))
 
     def train_one_update(self) -> dict:
         start = time.perf_counter()

@@ -233,7 +233,7 @@ class RLHFTrainer:
         """One batch's (prompt + response ids, prompt mask, samples, texts): the prompts sampled, or with an
         env, episodes played (`seeds`: each row's environment seed) — columns `cols` of a global batch of
         `n_global` under torchrun (see `generate`). Under torchrun an environment that raises on one rank
-        stops every rank (`distributed.checked`)."""
+        stops every rank (`distributed.checked`); a rank with none of the rows calls `idle_batch` instead."""
         if self.episodes is None:
             ids, prompt_mask, samples = self.generate(token_rows, generator, n_global, cols)
             return ids, prompt_mask, samples, self.completions(samples)
@@ -245,6 +245,23 @@ class RLHFTrainer:
 
         prompt_ids, prompt_mask, episodes = distributed.checked(play)
         return torch.cat([prompt_ids, episodes.response_ids], 1), prompt_mask, episodes, episodes.transcripts
+
+    def idle_batch(self, n_global: int, generator: torch.Generator) -> None:
+        """`sample_batch` on a rank that holds no row of a global batch of `n_global` (more ranks than rows):
+        it draws what the others draw and joins every collective they run while sampling — sharded, the
+        policy's gather on entering the decoder; with an env, the error flag of `checked` — so that the
+        later collectives pair up rather than hang."""
+        self.draw_uniforms(n_global, generator)
+
+        def gather_policy():
+            if self.sharded:
+                with self.layout.decoder():
+                    pass
+
+        if self.episodes is None:
+            gather_policy()
+        else:
+            distributed.checked(gather_policy)
 
     def draw_uniforms(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """The sampling uniforms of a batch of n rows (an episode's: one per turn, step and row)."""
@@ -334,7 +351,7 @@ class RLHFTrainer:
         loss's normalizer (the mini-batch's tokens or sequences, `loss_agg`) is counted once, here."""
         mb_mask = b.resp_mask[mb]
         mb_units, mb_tokens = self.agg.units(mb_mask), mb_mask.sum()
-        if self.world.size > 1:  # all ranks' units, before any backward: the single-process loss weights
+        if distributed.collectives():  # all ranks' units, before any backward: the single-process loss weights
             mb_units, mb_tokens = distributed.all_sum(torch.stack([mb_units, mb_tokens]))
         while True:
             self.optimizer.zero_grad(set_to_none=True)
@@ -418,14 +435,15 @@ class RLHFTrainer:
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
         keys = self.loss_keys + self.token_keys
         trained = gather_rollout(b, self.tokenizer.pad_token_id) if self.sharded else b
-        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, torch.tensor(float("nan")))
+        skipped = torch.tensor(float("nan"), device=b.resp.device)
+        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
         self.update += 1
         objective = rollout_metrics(b, samples.finished, kl, non_score, cfg.num_generations)
         if isinstance(samples, Episodes):
-            objective |= {k: torch.tensor(v) for k, v in episode_metrics(samples).items()}
+            objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in episode_metrics(samples).items()}
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
@@ -461,11 +479,8 @@ class RLHFTrainer:
         """This rank's part of one held-out batch of (prompt, sample) pairs, sampled and scored."""
         cols = distributed.uneven_shard(len(pairs))
         batch = pairs[cols]
-        if not batch:  # more ranks than pairs: draw what the others draw, sample nothing
-            self.draw_uniforms(len(pairs), gen)
-            if self.sharded:  # but gather the policy with the others (a collective)
-                with self.layout.decoder():
-                    pass
+        if not batch:  # more ranks than pairs: the others' draws and collectives, no sample
+            self.idle_batch(len(pairs), gen)
             return []
         rows = [self.parts.heldout_rows[i] for i, _ in batch]
         # with an env, held-out prompt i always plays environment seed (seed, i): the same games each time

@@ -4,7 +4,10 @@ the rule that a run's numbers do not depend on how many ranks computed them.
 `init()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); without it the world is one
 process, no process group exists and every helper here is the identity (a run is bit-identical to one
 that never imported this module). Backend: NCCL when the training device is CUDA, gloo on CPU; the
-collective timeout is the config's `dist_timeout`.
+collective timeout is the config's `dist_timeout`. `PPOFORGE_FORCE_COLLECTIVES=1` keeps a one-process
+group at world 1 and sends every helper through its collective (`collectives()`, the one predicate), so
+one GPU runs the placement eight do. Every tensor a collective sees is moved to the backend's device
+(`_device()`: this rank's GPU under NCCL, the CPU under gloo) here, in one place, and back.
 
 Design: replicated parameters, a manual gradient all-reduce — not `DistributedDataParallel`:
 - The LM trainer takes each mini-batch from a permutation of the *global* rollout (drawn from a
@@ -24,7 +27,8 @@ torch: user code such as a reward function) are seeded per rank, `seed + rank`.
 
 Failure: `checked(fn)` runs a rank's collective-free work (sampling, reward calls) and then all-reduces
 an error flag, so one rank's exception becomes the same one-line error on every rank ("rank 1: reward
-my_reward raised ValueError: ..."); a rank that hangs or dies surfaces as a collective timeout on the
+my_reward raised ValueError: ...") and the same exit code (2 for bad input, `RankBadInput` on the
+others; 1 for a fault, `RankFailed`); a rank that hangs or dies surfaces as a collective timeout on the
 others (`DistTimeout`), and torchrun stops the rest when a worker process exits.
 """
 
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ppoforge.errors import Fault, UserError
+from ppoforge.errors import EXIT_USER, Fault, UserError
 from ppoforge.runtime.timeouts import StopRequested
 
 DEFAULT_TIMEOUT = 600.0  # seconds; the `dist_timeout` config default
@@ -57,6 +61,8 @@ class World:
 
 _world = World()
 _timeout = DEFAULT_TIMEOUT
+_active = False  # do the helpers run their collectives (world > 1, or forced at world 1)?
+FORCE_ENV = "PPOFORGE_FORCE_COLLECTIVES"  # "1": a one-process group at world 1 (docs/distributed.md)
 
 
 class DistTimeout(Fault):
@@ -64,9 +70,16 @@ class DistTimeout(Fault):
 
 
 class RankFailed(Fault):
-    """Another rank's update raised; the message names that rank and the cause."""
+    """Another rank's update raised; the message names that rank and the cause. Exit code 1."""
 
     ppoforge_shared = True  # every rank knows this line: rank 0 prints it (cli.main)
+
+
+class RankBadInput(UserError):
+    """Another rank stopped on bad input (its UserError, exit code 2): every rank exits 2 with it, so the
+    exit code torchrun's summary shows for whichever worker it saw fail first is ours."""
+
+    ppoforge_shared = True
 
 
 def env_world() -> World:
@@ -77,25 +90,37 @@ def env_world() -> World:
 
 def init(timeout_s: float = DEFAULT_TIMEOUT, device: torch.device | None = None) -> World:
     """Join torchrun's process group once per process (later calls return the same world); a CUDA
-    `device` selects NCCL and this rank's local GPU. World 1: nothing is initialized."""
-    global _world, _timeout
+    `device` selects NCCL and this rank's local GPU. World 1: nothing is initialized, unless
+    PPOFORGE_FORCE_COLLECTIVES=1 asks for a one-process group (an in-memory store, no rendezvous)."""
+    global _world, _timeout, _active
     _timeout = timeout_s
     if dist.is_available() and dist.is_initialized():
         return _world
     world = env_world()
-    if world.size == 1:
-        _world = world
+    forced = world.size == 1 and os.environ.get(FORCE_ENV) == "1"
+    if world.size == 1 and not forced:
+        _world, _active = world, False
         return world
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.set_device(world.local_rank)
+    backend, timeout = "nccl" if cuda else "gloo", datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if forced:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures are the environment's: one line
         raise Fault(f"distributed: rank {world.rank} of {world.size} could not join the process group "
                     f"({type(e).__name__}: {_first_line(e)}); run `ppoforge doctor` on each node") from None
-    _world = world
+    _world, _active = world, True
     return world
+
+
+def collectives() -> bool:
+    """Do the helpers run their collectives? Under torchrun, and at world 1 with PPOFORGE_FORCE_COLLECTIVES=1;
+    otherwise each is the identity. Callers that skip work only a collective needs ask this, not the size."""
+    return _active
 
 
 def world() -> World:
@@ -108,11 +133,13 @@ def is_main() -> bool:
 
 def shard(n_global: int, what: str) -> slice:
     """This rank's contiguous slice of `n_global` items, which must divide by the world size (a UserError
-    naming `what` otherwise)."""
+    naming `what` otherwise: every rank finds it alike, so rank 0 alone prints it)."""
     size = _world.size
     if n_global % size:
-        raise UserError(f"{what}: {n_global} does not divide by the {size} ranks of this torchrun; allowed: a "
-                        f"multiple of {size}, or --nproc_per_node that divides it")
+        e = UserError(f"{what}: {n_global} does not divide by the {size} ranks of this torchrun; allowed: a "
+                      f"multiple of {size}, or --nproc_per_node that divides it")
+        e.ppoforge_shared = True
+        raise e
     n = n_global // size
     return slice(_world.rank * n, (_world.rank + 1) * n)
 
@@ -139,32 +166,36 @@ def _collective(op, *args):
 
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over ranks, in place (x itself, untouched, at world 1)."""
-    if _world.size > 1:
-        _collective(dist.all_reduce, x)
+    """x summed over ranks, in place (x itself, untouched, at world 1). The reduction runs on the
+    backend's device: a tensor elsewhere (a CPU one under NCCL) goes there and its sum comes back into x."""
+    if _active:
+        y = x.to(_device())
+        _collective(dist.all_reduce, y)
+        if y is not x:
+            x.copy_(y)
     return x
 
 
 def reducer():
     """`all_sum` under torchrun, None at world 1 (core functions then take their single-process path)."""
-    return all_sum if _world.size > 1 else None
+    return all_sum if _active else None
 
 
 def all_mean(x: torch.Tensor) -> torch.Tensor:
     """x averaged over ranks (a mean over equal-sized shards is the global mean)."""
-    return all_sum(x) / _world.size if _world.size > 1 else x
+    return all_sum(x) / _world.size if _active else x
 
 
 def any_true(flag: bool) -> bool:
     """True on every rank when it is True on any (a stop request, a failed check)."""
-    if _world.size == 1:
+    if not _active:
         return flag
     return bool(all_sum(torch.tensor([float(flag)], device=_device())).item() > 0)
 
 
 def all_gather(x: torch.Tensor) -> torch.Tensor:
-    """The ranks' equal-shaped tensors concatenated along dim 0, in rank order."""
-    if _world.size == 1:
+    """The ranks' equal-shaped tensors concatenated along dim 0, in rank order, on x's device."""
+    if not _active:
         return x
     y = x.to(_device()).contiguous()  # NCCL gathers on this rank's GPU; gloo on the CPU
     parts = [torch.empty_like(y) for _ in range(_world.size)]
@@ -175,7 +206,7 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
 def all_gather_np(a):
     """A numpy array's rows from every rank, concatenated in rank order (control's per-env arrays: with
     contiguous env shards, the global env order). Returned unchanged at world 1."""
-    if _world.size == 1:
+    if not _active:
         return a
     t = torch.from_numpy(a.copy())
     if t.dtype == torch.bool:  # gathered as bytes: not every backend reduces bools
@@ -185,7 +216,7 @@ def all_gather_np(a):
 
 def gather_rows(rows: list) -> list:
     """Every rank's list of picklable rows, concatenated in rank order (tables, completions)."""
-    if _world.size == 1:
+    if not _active:
         return rows
     out: list = [None] * _world.size
     _collective(dist.all_gather_object, out, rows)
@@ -214,12 +245,12 @@ class SlicedRng:
 
 def sliced_rng(rng, rows: slice, n_global: int):
     """`rng` itself at world 1, else a SlicedRng over it."""
-    return rng if _world.size == 1 else SlicedRng(rng, rows, n_global)
+    return SlicedRng(rng, rows, n_global) if _active else rng
 
 
 def rank0_value(value):
     """Rank 0's `value` on every rank (a run dir each rank named from its own clock)."""
-    if _world.size == 1:
+    if not _active:
         return value
     box = [value]
     _collective(dist.broadcast_object_list, box, 0)
@@ -229,37 +260,43 @@ def rank0_value(value):
 def all_reduce_grads(params: list[torch.nn.Parameter], extra: torch.Tensor) -> torch.Tensor:
     """Sum every rank's .grad of `params` and the vector `extra` in ONE flat all-reduce; the summed
     gradients are written back into .grad (a rank that had no rows contributes zeros); returns the
-    summed `extra`. At world 1: nothing happens, `extra` comes back."""
-    if _world.size == 1:
+    summed `extra` (on extra's device). At world 1: nothing happens, `extra` comes back."""
+    if not _active:
         return extra
+    device = _device()  # the buffer lives where the backend reduces (NCCL: this rank's GPU)
     grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
-    flat = torch.cat([*[g.to(extra.dtype) for g in grads], extra.reshape(-1)])
+    flat = torch.cat([*[g.to(device, extra.dtype) for g in grads], extra.reshape(-1).to(device)])
     _collective(dist.all_reduce, flat)
     offset = 0
     for p in params:
         n = p.numel()
-        g = flat[offset:offset + n].view_as(p).to(p.dtype)
+        g = flat[offset:offset + n].view_as(p).to(p.device, p.dtype)
         p.grad = g if p.grad is None else p.grad.copy_(g)
         offset += n
-    return flat[offset:].view_as(extra)
+    return flat[offset:].view_as(extra).to(extra.device)
 
 
 def broadcast_params(params) -> None:
     """Rank 0's values of `params` on every rank (replicas start identical whatever each rank's RNG did)."""
-    if _world.size == 1:
+    if not _active:
         return
     with torch.no_grad():
         for p in params:
-            _collective(dist.broadcast, p.data, 0)
+            data = p.data
+            y = data.to(_device())
+            _collective(dist.broadcast, y, 0)
+            if y is not data:
+                data.copy_(y)
 
 
 def mean_metrics(values: dict[str, torch.Tensor], summed: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Per-rank metrics over equal-sized shards -> the global ones in one all-reduce: means averaged,
-    the keys in `summed` (counts) summed."""
-    if _world.size == 1:
+    the keys in `summed` (counts) summed. The values may sit on different devices (a host-side count
+    beside GPU statistics): they are stacked on the backend's device, where the results stay."""
+    if not _active:
         return values
-    keys = list(values)
-    mean = all_mean(torch.stack([values[k].detach().float().reshape(()) for k in keys]))
+    keys, device = list(values), _device()
+    mean = all_mean(torch.stack([values[k].detach().float().reshape(()).to(device) for k in keys]))
     return {k: mean[i] * (_world.size if k in summed else 1) for i, k in enumerate(keys)}
 
 
@@ -278,16 +315,17 @@ def describe(batch: int, unit: str) -> str:
 
 
 def barrier() -> None:
-    if _world.size > 1:
+    if _active:
         _collective(dist.barrier)
 
 
 def checked(fn, *args):
     """`fn(*args)` (a rank's collective-free work), then an error flag all-reduced: when any rank raised,
     every rank raises — the failing rank its own exception (its traceback and the run guard's note stay
-    its own), the others `RankFailed` with the failing rank's one line — so rank 0 prints one line that
-    names the rank and the cause. A stop request (SIGTERM inside a user call) on any rank stops all."""
-    if _world.size == 1:
+    its own), the others `RankFailed` with the failing rank's one line (`RankBadInput` when that was bad
+    input: every rank then exits 2, the failing rank's code) — so rank 0 prints one line that names the
+    rank and the cause. A stop request (SIGTERM inside a user call) on any rank stops all."""
+    if not _active:
         return fn(*args)
     result, error = None, None
     try:
@@ -302,19 +340,22 @@ def checked(fn, *args):
     if kind.max() == 1:
         raise error if error is not None else StopRequested("SIGTERM")
     first = int((kind == 2).nonzero()[0])
-    line = [f"rank {_world.rank}: {_describe(error)}" if first == _world.rank else None]
-    _collective(dist.broadcast_object_list, line, first)
+    failure = [_describe(error) if first == _world.rank else None]  # (exit code, "rank r: ...")
+    _collective(dist.broadcast_object_list, failure, first)
     if error is not None and not isinstance(error, StopRequested):
         error.ppoforge_shared = True
         error.ppoforge_rank = _world.rank
         raise error
-    raise RankFailed(line[0])
+    code, line = failure[0]
+    raise RankBadInput(line) if code == EXIT_USER else RankFailed(line)
 
 
-def _describe(e: BaseException) -> str:
+def _describe(e: BaseException) -> tuple[int, str]:
+    """(exit code, the failing rank's line) of this rank's exception."""
     from ppoforge.errors import classify
 
-    return classify(e)[1]
+    code, line = classify(e)
+    return code, f"rank {_world.rank}: {line}"
 
 
 def _device() -> torch.device:
@@ -329,8 +370,15 @@ def finish(code: int) -> None:
     (none leaves while another is still in a collective), then exit with `code` without running the
     process group's destructor — torch 2.6's gloo one can deadlock joining its threads once a peer has
     left (seen here: rank 1 stuck in ~ProcessGroupGloo after rank 0 exited); the group dies with the
-    process. Every file a trainer writes is closed (and fsynced) by then. Nothing at world 1."""
-    if _world.size == 1 or not dist.is_initialized():
+    process. Every file a trainer writes is closed (and fsynced) by then. Nothing at world 1; the forced
+    one-process group (PPOFORGE_FORCE_COLLECTIVES) has no peer to wait for and is simply left, so the
+    process returns `code` as at world 1."""
+    global _active
+    if not _active or not dist.is_initialized():
+        return
+    if _world.size == 1:
+        dist.destroy_process_group()
+        _active = False
         return
     if code == 0:
         try:

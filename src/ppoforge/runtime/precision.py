@@ -67,7 +67,7 @@ class Precision:
         if self.scaler:
             self.scaler.unscale_(optimizer)
         if max_grad_norm is None:
-            return torch.zeros(())
+            return torch.zeros((), device=self.device)
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP shards: a replicated DTensor
 

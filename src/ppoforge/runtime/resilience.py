@@ -99,6 +99,7 @@ class NonFiniteGuard:
         """May the optimizer step? Not when the loss, or (unless a GradScaler handles it) the gradient
         norm, is NaN or infinite. One host sync for both numbers."""
         if isinstance(loss, torch.Tensor) or isinstance(grad_norm, torch.Tensor):
+            # cpu: the one host sync of both numbers
             both = torch.stack([torch.as_tensor(x, dtype=torch.float32).reshape(()).cpu() for x in (loss, grad_norm)])
             loss, grad_norm = both.tolist()
         if math.isfinite(loss) and (scaled or math.isfinite(grad_norm)):
