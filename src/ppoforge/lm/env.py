@@ -20,20 +20,18 @@ a `CallTimeout` naming it (exit 1), and SIGTERM abandons it (runtime/usercode.py
 
 from __future__ import annotations
 
-import math
-import numbers
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ppoforge.config import FLOAT32_MAX, float32_finite
 from ppoforge.errors import UserError
 from ppoforge.runtime.usercode import call_user
 
 ALLOWED_SPECS = ("py:module.path:Class, py:/path/file.py:Class, textarena:GameName-v0, trl:module.path:Class, "
                  "trl:/path/file.py:Class, or a built-in: guess_number[?hi=N]")
 ROLES = ("system", "user", "assistant", "tool")
-FLOAT32_MAX = 3.4028234663852886e38  # rewards train as float32: a larger number would be inf there
 
 
 @dataclass
@@ -123,9 +121,7 @@ class Checked:
 def _number(value, where: str, what: str) -> float | None:
     if value is None:
         return None
-    # finite as a Python float is not enough: the rollout holds rewards as float32, where 1e308 is inf
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or abs(value) > FLOAT32_MAX):
+    if not float32_finite(value):  # the rollout holds rewards as float32, where 1e308 is inf
         raise UserError(f"{where} returned {what} {_short(value)}; allowed: a finite number (within float32's "
                         f"+-{FLOAT32_MAX:.1e}) or None")
     return float(value)
