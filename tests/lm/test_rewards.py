@@ -328,6 +328,7 @@ def test_sys_exit_at_import_of_a_reward_module_is_one_line(tmp_path, tiny_model)
     code, out, err = _reward_run(tmp_path, tiny_model, "exit_at_import")
     assert code == 2 and len(err.splitlines()) == 1, (out, err)
     assert f"importing {tmp_path / 'run_reward.py'} raised SystemExit: 3" in err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # before anything is written
 
 
 def test_a_reward_module_whose_import_hangs_times_out(tmp_path, tiny_model):
