@@ -11,8 +11,8 @@ column of the prompt rows as a list, so a function takes `**kwargs` to ignore wh
 
 `score` is the one place a reward's output is checked: a reward that raises (sys.exit included: the
 user-code boundary, runtime/usercode.py), or returns anything but one real number per completion, is a
-`UserError` naming the reward — exit code 2, no traceback. NaN
-and infinity are numbers, but they would silently poison every advantage in the batch: the trainer's
+`UserError` naming the reward — exit code 2, no traceback. NaN and infinity are numbers (and so is
+1e308, infinite as float32), but they would silently poison every advantage in the batch: the trainer's
 non-finite guard skips such an update, counts it and stops after `nonfinite_patience` of them in a row
 (`runtime/resilience.py`).
 """
