@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
 import types
 import typing
 from importlib import resources
@@ -19,6 +20,15 @@ from pathlib import Path
 import yaml
 
 from ppoforge.errors import UserError
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
+def float32_finite(value) -> bool:
+    """A real number (not a bool) that stays finite as float32, the dtype rewards and margins train in:
+    1e308 is finite as a Python float and inf there."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) <= FLOAT32_MAX)
 
 
 def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None, resume: bool = False, data: bool = False):

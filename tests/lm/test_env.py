@@ -3,7 +3,12 @@ TextArena and TRL environment_factory adapters each on a real game / class."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +120,7 @@ REPLIES = {
     "content": EnvStep([{"role": "user", "content": 3}]),
     "assistant": EnvStep([{"role": "assistant", "content": "I win"}]),
     "nan": EnvStep("hi", reward=math.nan),
+    "huge": EnvStep("hi", reward=1e308),  # finite as a float, inf as the rollout's float32
     "text_reward": EnvStep("hi", reward="1"),
     "done": EnvStep("hi", done="yes"),
     "silent": EnvStep([], done=False),
@@ -134,7 +140,8 @@ for _kind in REPLIES:
     ("role", "step returned role 'bot' in message 0; allowed roles: system, user, assistant, tool"),
     ("content", "step returned dict .* as message 0; allowed: a string or a list of"),
     ("assistant", "step replied as the assistant; allowed roles: system, user, tool"),
-    ("nan", "step returned reward float nan; allowed: a finite number or None"),
+    ("nan", r"step returned reward float nan; allowed: a finite number \(within float32's \+-3.4e\+38\) or None"),
+    ("huge", r"step returned reward float 1e\+308; allowed: a finite number \(within float32's"),
     ("text_reward", "step returned reward str '1'"),
     ("done", "step returned done=str 'yes'; allowed: True or False"),
     ("silent", "step returned no messages and done=False"),
@@ -288,3 +295,108 @@ def test_env_code_is_fingerprinted_for_resume():
     assert trust.code_items(Cfg("py:my_envs.games:Game")) == ["my_envs.games"]
     assert trust.code_items(Cfg("trl:/work/envs/counter.py:Counter")) == ["/work/envs/counter.py"]
     assert trust.code_items(Cfg("guess_number?hi=8")) == trust.code_items(Cfg("textarena:Wordle-v0")) == []
+
+
+# ---- environments in a real training run: the user-code boundary (time limit, SIGTERM, sys.exit) ---------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The doctor's tiny LM (lm/tiny.py): a chat template, and no fast-path warning on stderr."""
+    from ppoforge.lm.tiny import save_tiny_lm
+
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny") / "model")
+
+
+RUN_ENV = '''
+import os, sys, time
+from ppoforge.lm.env import EnvStep
+
+resets = []  # every episode's reset in the run: 4 episodes an update, so update 3 misbehaves
+
+class Env:
+    def reset(self, row, rng):
+        resets.append(1)
+        self.late = len(resets) > 8
+        return "say something"
+
+    def step(self, reply):
+        if self.late and os.environ["ENV_MODE"] == "hang":
+            open(os.environ["ENV_MARK"], "w").close()  # the test sees the step has started
+            while True:
+                time.sleep(3600)
+        if self.late and os.environ["ENV_MODE"] == "exit":
+            raise SystemExit("the game server said goodbye")
+        if self.late and os.environ["ENV_MODE"] == "huge":
+            return EnvStep("ok", reward=1e308, done=True)
+        return EnvStep("ok", reward=1.0, done=True)
+'''
+
+
+def _env_run(tmp_path: Path, tiny_model: Path, mode: str, *extra: str) -> subprocess.Popen:
+    """`ppoforge train rlhf --env py:FILE:Env` for 4 updates of 4 episodes, in a subprocess."""
+    (tmp_path / "run_env.py").write_text(RUN_ENV)
+    argv = [sys.executable, "-m", "ppoforge", "train", "rlhf", "--model", str(tiny_model), "--prompts", "demo",
+            "--heldout-prompts", "none", "--env", f"py:{tmp_path / 'run_env.py'}:Env", "--reward", "env",
+            "--advantage", "grpo", "--kl-coef", "0", "--max-turns", "2", "--batch-size", "2", "--num-generations",
+            "2", "--mini-batch-size", "4", "--micro-batch-size", "4", "--max-new-tokens", "3",
+            "--max-prompt-tokens", "16", "--max-env-tokens", "8", "--ppo-epochs", "1", "--lora-r", "2",
+            "--progress", "false", "--tensorboard", "false", "--checkpoint-every", "100", "--device", "cpu",
+            "--torch-threads", "1", "--total-updates", "4", "--run-dir", str(tmp_path / "run"), *extra]
+    env = {**os.environ, "ENV_MODE": mode, "ENV_MARK": str(tmp_path / "hung")}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """The run's (stdout, stderr); a run still going after `timeout` seconds is killed (and fails the test)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout} s; its stderr: {err[-2000:]}")
+
+
+def _saved_update(run: Path) -> int:
+    import torch
+
+    return torch.load(run / "checkpoint.pt", weights_only=True)["update"]
+
+
+def test_a_hung_environment_step_times_out_with_one_line_and_a_checkpoint(tmp_path, tiny_model):
+    proc = _env_run(tmp_path, tiny_model, "hang", "--call-timeout", "2")
+    out, err = _finish(proc)
+    assert proc.returncode == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"environment py:{tmp_path / 'run_env.py'}:Env: step did not return within 2 s (call_timeout)" in err
+    assert "checkpoint at update 2" in err and _saved_update(tmp_path / "run") == 2
+
+
+def test_sigterm_inside_a_hung_environment_step_stops_with_a_checkpoint(tmp_path, tiny_model):
+    proc = _env_run(tmp_path, tiny_model, "hang")  # call_timeout 600 s: only the signal can end the step
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "hung").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    if not (tmp_path / "hung").exists():
+        proc.kill()
+        pytest.fail(f"the step never hung; stderr: {proc.communicate()[1][-2000:]}")
+    proc.send_signal(signal.SIGTERM)
+    out, err = _finish(proc, 60)
+    assert proc.returncode == 0, err
+    assert "stopped by SIGTERM, checkpoint saved: 2 updates" in out
+    assert _saved_update(tmp_path / "run") == 2
+
+
+def test_sys_exit_in_an_environment_step_is_its_failure(tmp_path, tiny_model):
+    proc = _env_run(tmp_path, tiny_model, "exit")
+    out, err = _finish(proc)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, (out, err)
+    assert (f"environment py:{tmp_path / 'run_env.py'}:Env: step raised SystemExit: the game server said goodbye"
+            in err)
+    assert "checkpoint at update 2" in err and _saved_update(tmp_path / "run") == 2
+
+
+def test_a_turn_reward_beyond_float32_is_refused_in_one_line(tmp_path, tiny_model):
+    proc = _env_run(tmp_path, tiny_model, "huge")
+    out, err = _finish(proc)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, (out, err)
+    assert "step returned reward float 1e+308; allowed: a finite number (within float32's" in err
+    assert "checkpoint at update 2" in err

@@ -2,6 +2,7 @@
 prompt/completion for base models, implicit prompts, and every dropped row counted by its reason."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -169,3 +170,15 @@ def test_an_unknown_role_is_refused_for_that_row_and_strict_names_it(chat_tok):
     pairs, drops = preference_pairs([(1, {"prompt": [{"role": "usr", "content": "q"}], "chosen": "a",
                                           "rejected": "b"})], "data", chat_tok, 512, strict=False)
     assert not pairs and drops.counts == {"bad_role": 1}
+
+
+@pytest.mark.parametrize("margin", [math.inf, -math.inf, 1e308, -4e38])
+def test_a_margin_float32_cannot_hold_is_refused(chat_tok, margin):
+    """Finite as a Python float is not enough: the loss takes margins as float32, where 1e308 is inf and
+    every step of its batch would be skipped as non-finite."""
+    rows = [(1, {"prompt": "p", "chosen": "good", "rejected": "bad", "margin": margin}),
+            (2, {"prompt": "p", "chosen": "good", "rejected": "bad", "margin": 3e38})]
+    pairs, drops = preference_pairs(rows, "data", chat_tok, 512, strict=False)
+    assert [p.margin for p in pairs] == [3e38] and drops.counts == {"bad_margin": 1}
+    with pytest.raises(UserError, match=r"^data: data line 1: margin is .*; allowed: a finite number \(within float32"):
+        preference_pairs(rows, "data", chat_tok, 512, strict=True)

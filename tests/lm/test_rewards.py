@@ -219,7 +219,7 @@ def test_reward_model_scores_do_not_depend_on_batching(tiny_reward_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
-def test_absolute_position_reward_models_score_a_text_as_they_would_alone(tmp_path, tiny_lm_dir, arch):
+def test_absolute_position_reward_models_score_a_text_as_they_would_alone(tmp_path, tiny_model, arch):
     """GPT-2 and BERT add absolute position embeddings (BERT also pools its first token): a text batched
     beside a longer one must get the positions, and so the score, it gets alone."""
     from transformers import (
@@ -230,7 +230,7 @@ def test_absolute_position_reward_models_score_a_text_as_they_would_alone(tmp_pa
         PreTrainedTokenizerFast,
     )
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_lm_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model)
     tokenizer.chat_template = None  # plain concatenation: the texts differ only in length
     tokenizer.save_pretrained(tmp_path)
     size = dict(vocab_size=len(tokenizer), num_labels=1, pad_token_id=tokenizer.pad_token_id)
@@ -272,3 +272,66 @@ def test_reward_model_loads_in_the_requested_dtype_and_attention(tiny_reward_mod
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = score(fn, "r", P2, ["good", "bad"], [True, True], [{}, {}])
     assert torch.isfinite(out).all()
+
+
+# ---- user code that ends the process or hangs, in a real training run -----------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The doctor's tiny LM (lm/tiny.py): a chat template, and no fast-path warning on stderr."""
+    from ppoforge.lm.tiny import save_tiny_lm
+
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny") / "model")
+
+
+RUN_REWARD = '''
+import os, sys, time
+if os.environ["REWARD_MODE"] == "exit_at_import":
+    sys.exit(3)
+if os.environ["REWARD_MODE"] == "hang_at_import":
+    time.sleep(3600)
+calls = []
+
+def reward(prompts, completions, **kwargs):
+    calls.append(1)
+    if len(calls) == 3 and os.environ["REWARD_MODE"] == "exit":
+        sys.exit(0)
+    return [float(len(c)) for c in completions]
+'''
+
+
+def _reward_run(tmp_path, tiny_model, mode: str, *extra: str):
+    """`ppoforge train rlhf --reward py:FILE:reward` for 4 updates in a subprocess: (code, stdout, stderr)."""
+    import os
+    import subprocess
+
+    (tmp_path / "run_reward.py").write_text(RUN_REWARD)
+    argv = [sys.executable, "-m", "ppoforge", "train", "rlhf", "--model", str(tiny_model), "--prompts", "demo",
+            "--heldout-prompts", "none", "--reward", f"py:{tmp_path / 'run_reward.py'}:reward", "--batch-size", "2",
+            "--mini-batch-size", "2", "--micro-batch-size", "2", "--max-new-tokens", "3", "--max-prompt-tokens",
+            "16", "--ppo-epochs", "1", "--lora-r", "2", "--progress", "false", "--tensorboard", "false",
+            "--checkpoint-every", "100", "--device", "cpu", "--torch-threads", "1", "--total-updates", "4",
+            "--run-dir", str(tmp_path / "run"), *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ, "REWARD_MODE": mode})
+    return proc.returncode, proc.stdout, proc.stderr.strip()
+
+
+def test_sys_exit_0_in_a_reward_is_its_failure_not_a_success(tmp_path, tiny_model):
+    code, out, err = _reward_run(tmp_path, tiny_model, "exit")
+    assert code == 2 and len(err.splitlines()) == 1, (out, err)
+    assert f"reward py:{tmp_path / 'run_reward.py'}:reward raised SystemExit: 0" in err
+    assert "checkpoint at update 2" in err
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["update"] == 2
+
+
+def test_sys_exit_at_import_of_a_reward_module_is_one_line(tmp_path, tiny_model):
+    code, out, err = _reward_run(tmp_path, tiny_model, "exit_at_import")
+    assert code == 2 and len(err.splitlines()) == 1, (out, err)
+    assert f"importing {tmp_path / 'run_reward.py'} raised SystemExit: 3" in err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # before anything is written
+
+
+def test_a_reward_module_whose_import_hangs_times_out(tmp_path, tiny_model):
+    code, out, err = _reward_run(tmp_path, tiny_model, "hang_at_import", "--call-timeout", "2")
+    assert code == 1 and len(err.splitlines()) == 1, (out, err)
+    assert f"importing {tmp_path / 'run_reward.py'} did not return within 2 s (call_timeout)" in err

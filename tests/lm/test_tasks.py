@@ -62,7 +62,7 @@ def test_task_reward_is_the_datasets_checker_on_the_answer_tags():
 @needs_reasoning_gym
 @pytest.mark.parametrize("spec, message", [
     ("task:no_such_task", "prompts: no reasoning-gym task 'no_such_task'; allowed: one of its"),
-    ("task:leg_counting?bogus=1", "prompts: task leg_counting refused"),
+    ("task:leg_counting?bogus=1", "'bogus': 1} raised TypeError: LegCountingConfig"),
     ("task:leg_counting?min_animals=0", "min_animals must be positive"),
     ("task:leg_counting?size", "the part after ? is not KEY=VALUE pairs"),
     ("task:", "names no task"),
@@ -110,3 +110,15 @@ def test_without_reasoning_gym_a_task_is_one_line_naming_the_install(monkeypatch
             load_prompts("task:chain_sum?size=2")
         else:
             score(build_reward("task"), "task", ["p"], ["<answer>1</answer>"], [True], rows)
+
+
+@needs_reasoning_gym
+def test_a_task_generator_that_calls_sys_exit_is_one_line(monkeypatch):
+    import reasoning_gym
+
+    def leaving(name, **kwargs):
+        raise SystemExit(1)
+
+    monkeypatch.setattr(reasoning_gym, "create_dataset", leaving)
+    with pytest.raises(UserError, match=r"^prompts: task leg_counting with .* raised SystemExit: 1; allowed"):
+        load_prompts("task:leg_counting")

@@ -6,10 +6,11 @@
 
 An environment is a Protocol, not a base class: any object with these methods is one. `load_env(spec)`
 returns a factory (one fresh environment per episode) whose environments are wrapped in `Checked`, the
-one place an environment's output is validated: a reply that is not a string or a list of
-{"role": str, "content": str} messages, a reward that is not a finite number, a user-code exception —
-each is a one-line `UserError` naming the environment (exit code 2), as reward functions are checked in
-lm/rewards.py. Specs:
+one place an environment's output is validated and its code is called: a reply that is not a string or
+a list of {"role": str, "content": str} messages, a reward that is not a finite number float32 can hold,
+anything the code raises (sys.exit included) — each is a one-line `UserError` naming the environment
+(exit code 2), as reward functions are checked in lm/rewards.py; a call that runs past `call_timeout` is
+a `CallTimeout` naming it (exit 1), and SIGTERM abandons it (runtime/usercode.py). Specs:
 
     py:module.path:Class | py:/path/file.py:Class   a user's environment (hashed by runtime/trust.py)
     textarena:GameName-v0                           a TextArena game (lm/env_adapters.py)
@@ -19,14 +20,14 @@ lm/rewards.py. Specs:
 
 from __future__ import annotations
 
-import math
-import numbers
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ppoforge.errors import Fault, UserError
+from ppoforge.config import FLOAT32_MAX, float32_finite
+from ppoforge.errors import UserError
+from ppoforge.runtime.usercode import call_user
 
 ALLOWED_SPECS = ("py:module.path:Class, py:/path/file.py:Class, textarena:GameName-v0, trl:module.path:Class, "
                  "trl:/path/file.py:Class, or a built-in: guess_number[?hi=N]")
@@ -75,19 +76,17 @@ class Checked:
     `reset` returns the first messages as a list (never empty, not ending with an assistant turn: the
     policy speaks next). `step` returns an EnvStep with `messages` as a list (empty only when done) and
     `reward` a float or None. `score()` is the environment's own score as a float, or None when it
-    defines no `score` (or its score returned None: an adapted TRL class without `get_reward`)."""
+    defines no `score` (or its score returned None: an adapted TRL class without `get_reward`). Every call
+    into the environment runs under `timeout` seconds (runtime/usercode.py)."""
 
-    def __init__(self, env, name: str):
-        self.env, self.name = env, name
+    def __init__(self, env, name: str, timeout: float | None = None):
+        self.env, self.name, self.timeout = env, name, timeout
         self._score = getattr(env, "score", None)  # the protocol's one optional method
 
     def _call(self, method: str, *args):
-        try:
-            return getattr(self.env, method)(*args)
-        except (UserError, Fault):
-            raise
-        except Exception as e:  # noqa: BLE001 - user code: any exception is the user's to fix
-            raise _user_code(e, f"environment {self.name}: {method}") from None
+        """The environment's `method(*args)` under `timeout` seconds (call_timeout), its failures one line."""
+        return call_user(lambda: getattr(self.env, method)(*args), f"environment {self.name}: {method}",
+                         self.timeout)
 
     def reset(self, row: dict, rng: random.Random) -> list[dict]:
         messages = as_messages(self._call("reset", row, rng), f"environment {self.name}: reset")
@@ -122,25 +121,21 @@ class Checked:
 def _number(value, where: str, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise UserError(f"{where} returned {what} {_short(value)}; allowed: a finite number or None")
+    if not float32_finite(value):  # the rollout holds rewards as float32, where 1e308 is inf
+        raise UserError(f"{where} returned {what} {_short(value)}; allowed: a finite number (within float32's "
+                        f"+-{FLOAT32_MAX:.1e}) or None")
     return float(value)
 
 
-def _user_code(e: Exception, where: str) -> UserError:
-    # the first line that says something (NLTK's LookupError opens with a row of asterisks)
-    msg = next((line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line)), "")
-    return UserError(f"{where} raised {type(e).__name__}: {msg[:200]}")
-
-
-def load_env(spec: str) -> Callable[[], Checked]:
-    """A factory of fresh, checked environments for `spec` (see the module docstring for the forms)."""
+def load_env(spec: str, timeout: float | None = None) -> Callable[[], Checked]:
+    """A factory of fresh, checked environments for `spec` (see the module docstring for the forms); the
+    import of a py:/trl: module and every call into an environment run under `timeout` seconds."""
     from ppoforge.lm import env_adapters, environments
     from ppoforge.lm.rewards import load_python
 
     kind, sep, arg = spec.partition(":")
     if sep and kind in ("py", "trl") and arg:
-        cls = load_python(arg, what="environment", noun="Class", prefix=kind)
+        cls = load_python(arg, what="environment", noun="Class", prefix=kind, timeout=timeout)
         make = cls if kind == "py" else (lambda: env_adapters.TRLEnvironment(cls()))
     elif sep and kind == "textarena" and arg:
         env_adapters.textarena_check(arg)
@@ -151,12 +146,6 @@ def load_env(spec: str) -> Callable[[], Checked]:
         raise UserError(f"environment: {spec!r} is not an environment spec; allowed: {ALLOWED_SPECS}")
 
     def fresh() -> Checked:
-        try:
-            env = make()
-        except (UserError, Fault):
-            raise
-        except Exception as e:  # noqa: BLE001 - user code: any exception is the user's to fix
-            raise _user_code(e, f"environment {spec}: creating it") from None
-        return Checked(env, spec)
+        return Checked(call_user(make, f"environment {spec}: creating it", timeout), spec, timeout)
 
     return fresh

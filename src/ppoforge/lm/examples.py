@@ -5,7 +5,7 @@ Formats (one row each; JSON Lines, JSON, CSV, Parquet, or a `datasets` name / fo
   The loss covers the completion, or every assistant turn, and nothing else.
 - Preferences: `{"chosen": ..., "rejected": ...}` with an explicit `"prompt"`, or without one: the
   prompt is then their common prefix (of messages for conversations, of text for strings); optional
-  `"margin"` (a number).
+  `"margin"` (a finite number float32 can hold).
 
 A rendered conversation is tokenized once and each assistant turn located by rendering the prefix up to
 that turn (with the generation prompt): the turn's tokens are what the full rendering adds. That needs
@@ -16,10 +16,10 @@ rather than trained with a wrong mask. Rows are never truncated silently: too lo
 
 from __future__ import annotations
 
-import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ppoforge.config import FLOAT32_MAX, float32_finite
 from ppoforge.errors import UserError
 from ppoforge.lm.datafiles import read_json_rows, read_source
 
@@ -250,8 +250,9 @@ def preference_pair(row: dict, tokenizer, max_length: int) -> Pair:
     margin = row.get("margin", 0.0)
     if margin is None:
         margin = 0.0
-    if not isinstance(margin, numbers.Real) or isinstance(margin, bool) or margin != margin:
-        raise RowError("bad_margin", f"margin is {margin!r}; allowed: a number")
+    if not float32_finite(margin):  # an inf margin (or 1e308: inf as float32) makes every step it is in skipped
+        raise RowError("bad_margin", f"margin is {margin!r}; allowed: a finite number (within float32's "
+                       f"+-{FLOAT32_MAX:.1e})")
     c, r = reward_input_ids(tokenizer, prompt, chosen), reward_input_ids(tokenizer, prompt, rejected)
     if max(len(c), len(r)) > max_length:
         raise RowError("too_long", f"{max(len(c), len(r))} tokens > max_length {max_length}")

@@ -238,7 +238,7 @@ class Episodic:
     """The trainer's side of multi-turn rollouts: the environment factory, the renderer, the budgets."""
 
     def __init__(self, cfg, tokenizer):
-        self.factory = load_env(cfg.env)
+        self.factory = load_env(cfg.env, cfg.call_timeout)
         self.renderer = ChatRenderer(tokenizer, cfg.end_check)
         self.budgets = Budgets(cfg.max_turns, cfg.episode_tokens, cfg.max_env_tokens, cfg.env_overflow)
         self.max_prompt_tokens = cfg.max_prompt_tokens

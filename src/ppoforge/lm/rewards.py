@@ -9,9 +9,10 @@ decoded completions without special tokens. The trainer always passes `finished:
 when the completion ended with a stop token rather than hitting the length limit) plus every other
 column of the prompt rows as a list, so a function takes `**kwargs` to ignore what it does not need.
 
-`score` is the one place a reward's output is checked: a reward that raises, or returns anything but
-one real number per completion, is a `UserError` naming the reward — exit code 2, no traceback. NaN
-and infinity are numbers, but they would silently poison every advantage in the batch: the trainer's
+`score` is the one place a reward's output is checked: a reward that raises (sys.exit included: the
+user-code boundary, runtime/usercode.py), or returns anything but one real number per completion, is a
+`UserError` naming the reward — exit code 2, no traceback. NaN and infinity are numbers (and so is
+1e308, infinite as float32), but they would silently poison every advantage in the batch: the trainer's
 non-finite guard skips such an update, counts it and stops after `nonfinite_patience` of them in a row
 (`runtime/resilience.py`).
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ppoforge.errors import Fault, UserError
+from ppoforge.errors import UserError
+from ppoforge.runtime.usercode import call_user
 
 RewardFn = Callable[..., list[float]]
 ALLOWED_SPECS = ("vader, length:N, format:REGEX, eos_penalty:X, model:PATH, task (with prompts task:NAME), "
@@ -157,14 +159,9 @@ def _describe(value) -> str:
 
 def _checked(fn: RewardFn, name: str, prompts: list[str], completions: list[str],
              kwargs: dict) -> list[float]:
-    """Call `fn` and return its rewards as floats, or raise a one-line UserError naming `name`."""
-    try:
-        out = fn(prompts, completions, **kwargs)
-    except (UserError, Fault):  # ours (a nested reward's message, a time limit): already one line
-        raise
-    except Exception as e:  # noqa: BLE001 - user code: any exception is the user's to fix
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"reward {name} raised {type(e).__name__}: {msg}") from None
+    """Call `fn` and return its rewards as floats, or raise a one-line UserError naming `name` (the time
+    limit is the trainer's, around the whole reward)."""
+    out = call_user(lambda: fn(prompts, completions, **kwargs), f"reward {name}")
     allowed = f"allowed: a list of {len(completions)} numbers, one per completion"
     if not isinstance(out, (list, tuple)):
         raise UserError(f"reward {name} returned {_describe(out)}; {allowed}")
@@ -187,33 +184,35 @@ def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], f
 
 # ---- specs -------------------------------------------------------------------------------------------
 
-def load_python(spec: str, what: str = "reward", noun: str = "function", prefix: str = "py"):
+def load_python(spec: str, what: str = "reward", noun: str = "function", prefix: str = "py",
+                timeout: float | None = None):
     """`module.path:NAME` or `/path/file.py:NAME` (a module is looked up from the cwd too): the callable
-    NAME. `what`, `noun` and `prefix` word the errors (environments load classes: lm/env.py)."""
+    NAME, its module imported under `timeout` seconds (its top level is user code). `what`, `noun` and
+    `prefix` word the errors (environments load classes: lm/env.py)."""
     target, sep, func = spec.rpartition(":")
     if not sep or not target or not func:
         raise UserError(f"{what} {prefix}:{spec}: expected {prefix}:module.path:{noun} or "
                         f"{prefix}:/path/file.py:{noun}")
-    try:
-        if target.endswith(".py"):
-            path = Path(target).expanduser()
-            if not path.is_file():
-                raise UserError(f"{what} {prefix}:{spec}: no file {path}")
-            module_spec = importlib.util.spec_from_file_location(f"ppoforge_{what}_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path:
-                sys.path.insert(0, "")  # like `python -m`: modules in the current directory are importable
-            module = importlib.import_module(target)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - import of user code
-        raise UserError(f"{what} {prefix}:{spec}: importing {target} raised {type(e).__name__}: {e}") from None
+    if target.endswith(".py") and not Path(target).expanduser().is_file():
+        raise UserError(f"{what} {prefix}:{spec}: no file {Path(target).expanduser()}")
+    module = call_user(lambda: _import(target, what), f"{what} {prefix}:{spec}: importing {target}", timeout)
     fn = getattr(module, func, None)
     if not callable(fn):
         raise UserError(f"{what} {prefix}:{spec}: {target} has no {noun} {func!r}")
     return fn
+
+
+def _import(target: str, what: str):
+    """The module `target`: a file path (loaded under a private name), or a dotted module name."""
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        module_spec = importlib.util.spec_from_file_location(f"ppoforge_{what}_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: modules in the current directory are importable
+    return importlib.import_module(target)
 
 
 def _number(item: str, text: str, kind: type):
@@ -228,7 +227,7 @@ def _number(item: str, text: str, kind: type):
     return value
 
 
-def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict) -> RewardFn:
+def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict, call_timeout: float | None) -> RewardFn:
     kind, _, arg = item.partition(":")
     if item == "vader":
         return vader_sentiment
@@ -249,7 +248,7 @@ def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict) -> Rewar
         tokenizer = None if has_tokenizer_files(arg) else policy_tokenizer
         return RewardModelScorer(arg, tokenizer=tokenizer, device=device, **model_kwargs)
     if kind == "py" and arg:
-        return load_python(arg)
+        return load_python(arg, timeout=call_timeout)
     raise UserError(f"reward: unknown item {item!r}; allowed: {ALLOWED_SPECS} (comma-separated)")
 
 
@@ -260,11 +259,12 @@ def split_spec(spec: str) -> list[str]:
 
 
 def build_reward(spec: str, weights: str | None = None, device="cpu", policy_tokenizer=None,
-                 **model_kwargs) -> WeightedSum:
+                 call_timeout: float | None = None, **model_kwargs) -> WeightedSum:
     """The reward described by `spec` (e.g. "vader,eos_penalty:1") with optional weights ("1,0.5").
 
-    A reward model folder without tokenizer files uses `policy_tokenizer`. `model_kwargs` (dtype,
-    attn_implementation) go to the reward models' loader."""
+    A reward model folder without tokenizer files uses `policy_tokenizer`; `py:` modules are imported
+    under `call_timeout` seconds. `model_kwargs` (dtype, attn_implementation) go to the reward models'
+    loader."""
     items = split_spec(spec)
     if weights is None:
         ws = [1.0] * len(items)
@@ -273,5 +273,5 @@ def build_reward(spec: str, weights: str | None = None, device="cpu", policy_tok
         if len(ws) != len(items):
             raise UserError(f"reward weights: {len(ws)} weights for {len(items)} rewards "
                             f"({', '.join(items)}); allowed: one weight per reward, comma-separated")
-    return WeightedSum([(item, _build_one(item, device, policy_tokenizer, model_kwargs), w)
+    return WeightedSum([(item, _build_one(item, device, policy_tokenizer, model_kwargs, call_timeout), w)
                         for item, w in zip(items, ws, strict=True)])

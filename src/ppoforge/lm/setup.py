@@ -149,7 +149,7 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
                           [[] for _ in heldout], None)
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
-                                 dtype=frozen_dtype, attn_implementation=attn)
+                                 call_timeout=cfg.call_timeout, dtype=frozen_dtype, attn_implementation=attn)
         name = cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")

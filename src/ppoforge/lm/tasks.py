@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, unquote_plus
 import yaml
 
 from ppoforge.errors import UserError
+from ppoforge.runtime.usercode import call_user
 
 PREFIX = "task:"
 DEFAULTS = {"size": 500, "seed": 1}
@@ -75,12 +76,13 @@ def task_rows(spec: str, field: str = "prompt") -> list[dict]:
     if name not in rg.factory.DATASETS:
         raise UserError(f"prompts: no reasoning-gym task {name!r}; allowed: one of its {len(rg.factory.DATASETS)} "
                         f"datasets, e.g. {', '.join(sorted(rg.factory.DATASETS)[:6])}")
-    try:
+
+    def generate() -> list[dict]:  # the dataset's own code (a registered dataset may be the user's)
         dataset = rg.create_dataset(name, **kwargs)
-        entries = [dataset[i] for i in range(len(dataset))]
-    except Exception as e:  # noqa: BLE001 - the dataset's own config checks: a bad key or value
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"prompts: task {name} refused {kwargs}: {type(e).__name__}: {text}") from None
+        return [dataset[i] for i in range(len(dataset))]
+
+    # its config checks refuse a bad key or value: one line, as anything else it raises (runtime/usercode.py)
+    entries = call_user(generate, f"prompts: task {name} with {kwargs}")
     instruction = rg.utils.SYSTEM_PROMPTS.get(instruction, instruction)
     return [{field: f"{instruction}\n{e['question']}", "question": e["question"], "answer": e["answer"],
              "metadata": e["metadata"]} for e in entries]

@@ -2,7 +2,8 @@
 
 A checkpoint is written to a temporary file in the same directory, fsynced, then renamed over the
 target and the directory fsynced (`rundir.atomic_write_bytes`): a crash or a full disk at any
-moment leaves either the old file or the new one, never half of one. Everything inside is plain
+moment leaves either the old file or the new one, never half of one; a full disk is reported as the
+OSError it is (torch would say "unexpected pos"), so the run says "no space left". Everything inside is plain
 tensors, numbers, strings, lists and dicts, so it loads with `torch.load(weights_only=True)` — the
 default since torch 2.6 that broke many trainers' resume.
 """
@@ -19,8 +20,44 @@ from ppoforge.errors import UserError
 from ppoforge.runtime.rundir import atomic_write_bytes
 
 
+class _Sink:
+    """The temp file as torch.save sees it, keeping the OSError of a write that failed: torch's zip writer
+    reports that as its own RuntimeError ("unexpected pos ...", "PytorchStreamWriter failed writing
+    file"), which says nothing of the disk."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_checkpoint(path: Path, state: dict) -> None:
-    atomic_write_bytes(path, lambda f: torch.save(state, f))
+    """Write `state` to `path` atomically. A write the disk refused (full: ENOSPC) raises that OSError,
+    naming `path` — errors.classify makes it "no space left writing PATH" — and the old file stays."""
+
+    def write(f) -> None:
+        sink = _Sink(f)
+        try:
+            torch.save(state, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None
+
+    try:
+        atomic_write_bytes(path, write)
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None  # a write or flush names no file
 
 
 def load_checkpoint(path: Path, map_location="cpu") -> dict:

@@ -4,7 +4,10 @@ The trainer then saves a checkpoint and exits 0, so a preempted job resumes inst
 Inside a call into user code that may hang (`timeouts.call_with_timeout`: reward functions,
 environments) the handler raises `StopRequested` instead, so a stop never waits for a call that does
 not return; the trainer then saves the last completed update. A second signal while stopping
-restores the default behaviour (an immediate interrupt).
+interrupts at once (`Interrupted`, a KeyboardInterrupt: the CLI exits 130).
+
+While a StopFlag handles SIGINT, no Ctrl-C raises a bare KeyboardInterrupt, so one that reaches the
+user-code boundary then was raised by user code (`graceful_sigint`, runtime/usercode.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import signal
 import threading
 
 from ppoforge.runtime.timeouts import StopRequested, inside_interruptible_call
+
+
+class Interrupted(KeyboardInterrupt):
+    """The second SIGINT/SIGTERM while stopping: give up on the graceful path, at once."""
 
 
 class StopFlag:
@@ -27,7 +34,7 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         if self.signal_name is not None:  # second signal: give up on the graceful path
-            raise KeyboardInterrupt
+            raise Interrupted
         self.signal_name = signal.Signals(signum).name
         if inside_interruptible_call():
             raise StopRequested(self.signal_name)
@@ -42,3 +49,9 @@ class StopFlag:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         return False
+
+
+def graceful_sigint() -> bool:
+    """True while a StopFlag handles SIGINT in this process: a Ctrl-C then raises StopRequested or
+    Interrupted, never a bare KeyboardInterrupt."""
+    return isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), StopFlag)
