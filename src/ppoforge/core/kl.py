@@ -28,7 +28,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, mask:
     gradient there are exactly 0."""
     log_ratio = logp - ref_logp
     if mask is not None:
-        log_ratio = torch.where(mask != 0, log_ratio, 0.0)
+        log_ratio = log_ratio.masked_fill_(mask == 0, 0.0)  # in place: the gradient there is 0 too
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":

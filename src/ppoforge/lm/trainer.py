@@ -557,7 +557,7 @@ def curve_title(cfg: RLHFConfig) -> str:
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
     """x with 0 where mask is 0, whatever x holds there (-inf * 0 would be NaN)."""
-    return None if x is None else torch.where(mask != 0, x * mask, 0.0)
+    return None if x is None else (x * mask).masked_fill_(mask == 0, 0.0)
 
 
 def _cell(text: str) -> str:
