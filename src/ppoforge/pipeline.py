@@ -28,6 +28,7 @@ import yaml
 from ppoforge.config import build_config, read_saved_config, resume_config
 from ppoforge.errors import UserError
 from ppoforge.lm.config import RewardConfig, RLHFConfig, SFTConfig
+from ppoforge.runtime import trust
 from ppoforge.runtime.rundir import atomic_write_text
 
 STAGES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": RLHFConfig}
@@ -74,7 +75,7 @@ def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, s
     """Run (or resume) one stage; (its result, the signal that stopped it or None)."""
     from ppoforge.lm import reward_model, sft
     from ppoforge.lm import trainer as rlhf
-    from ppoforge.runtime import rundir, trust
+    from ppoforge.runtime import rundir
 
     resume = (stage_dir / "checkpoint.pt").is_file() or (stage_dir / "checkpoint").is_dir()  # fsdp: a directory
     if resume:
@@ -92,8 +93,6 @@ def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, s
 
 def _check_finished(stage: str, cfg, stage_dir: Path, trusted: bool) -> None:
     """Refuse to reuse a finished stage whose config (as its section gives it now) or data file changed."""
-    from ppoforge.runtime import trust
-
     saved = build_config(type(cfg), read_saved_config(stage_dir / "config.yaml"))
     changed = [f.name for f in dataclasses.fields(cfg) if getattr(saved, f.name) != getattr(cfg, f.name)]
     what = ", ".join(f"{n} ({getattr(saved, n)!r} -> {getattr(cfg, n)!r})" for n in changed)

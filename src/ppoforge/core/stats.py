@@ -10,13 +10,18 @@ import numpy as np
 import torch
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor | None, dim=None) -> torch.Tensor:
-    """Sum of x * mask. A masked entry adds exactly 0 even when it is inf or NaN (inf * 0 would be NaN).
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x * mask, exactly 0 where mask is 0 even when x is inf or NaN there (inf * 0 would be NaN).
     Zeroed in place on the product, not by `torch.where`, whose output takes the condition's layout: a
     transposed x would then be summed in another order (1 rank vs 2 ranks stopped being bit-equal)."""
+    return (x * mask).masked_fill_(mask == 0, 0.0)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor | None, dim=None) -> torch.Tensor:
+    """Sum of x * mask; a masked entry adds exactly 0 (`masked`)."""
     if mask is None:
         return x.sum() if dim is None else x.sum(dim)
-    weighted = (x * mask).masked_fill_(mask == 0, 0.0)
+    weighted = masked(x, mask)
     return weighted.sum() if dim is None else weighted.sum(dim)
 
 

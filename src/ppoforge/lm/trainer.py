@@ -41,7 +41,7 @@ from ppoforge.config import config_to_dict, save_config
 from ppoforge.core.accumulation import loss_aggregation, token_share, unit_share
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ppoforge.core.losses import clip_stats, policy_loss, value_loss
-from ppoforge.core.stats import masked_mean
+from ppoforge.core.stats import masked, masked_mean
 from ppoforge.lm.config import RLHFConfig
 from ppoforge.lm.logprobs import token_logprobs
 from ppoforge.lm.multiturn import Episodes, Episodic, episode_metrics
@@ -556,8 +556,7 @@ def curve_title(cfg: RLHFConfig) -> str:
 
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    """x with 0 where mask is 0, whatever x holds there (-inf * 0 would be NaN)."""
-    return None if x is None else (x * mask).masked_fill_(mask == 0, 0.0)
+    return None if x is None else masked(x, mask)
 
 
 def _cell(text: str) -> str:
