@@ -1,5 +1,5 @@
 """Weak scaling of LM PPO under torchrun on CPU: 2 processes x 1 thread (global batch 2B) vs 1 process
-x 1 thread (batch B), on the tiny random Qwen2 of `lm/tiny.py`. Efficiency = (per-update time of 1
+x 1 thread (batch B), on the tiny random Qwen2 of `lm/models/tiny.py`. Efficiency = (per-update time of 1
 process) / (per-update time of 2 processes): 1.0 is perfect, each process doing the same work as the
 lone one; below it, the gradient all-reduce, the other collectives and the slowest rank's wait.
 
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ppoforge.lm.tiny import save_tiny_lm
+from ppoforge.lm.models.tiny import save_tiny_lm
 from ppoforge.runtime.launch import torchrun
 from ppoforge.runtime.metrics import read_metrics
 

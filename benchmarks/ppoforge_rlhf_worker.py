@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
 
 def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace):
     from ppoforge.config import build_config
-    from ppoforge.lm.config import RLHFConfig
+    from ppoforge.lm.rl.config import RLHFConfig
 
     return build_config(RLHFConfig, {
         "model": str(wdir / "policy"), "tokenizer": str(wdir / "tokenizer"), "layout": args.layout,
@@ -85,7 +85,7 @@ def main() -> None:
     import transformers
 
     import ppoforge
-    from ppoforge.lm.trainer import RLHFTrainer
+    from ppoforge.lm.rl.trainer import RLHFTrainer
     from ppoforge.runtime.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the `ppoforge` command does at its entry

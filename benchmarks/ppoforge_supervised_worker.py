@@ -35,10 +35,10 @@ def main() -> None:
 
     import ppoforge
     from ppoforge.config import build_config
-    from ppoforge.lm.config import RewardConfig, SFTConfig
-    from ppoforge.lm.reward_model import RewardTask
-    from ppoforge.lm.sft import SFTTask
-    from ppoforge.lm.supervised import SupervisedTrainer
+    from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
+    from ppoforge.lm.supervised.loop import SupervisedTrainer
+    from ppoforge.lm.supervised.reward_model import RewardTask
+    from ppoforge.lm.supervised.sft import SFTTask
     from ppoforge.runtime.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the `ppoforge` command does at its entry

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ppoforge.config import build_config
 from ppoforge.control.config import ControlConfig
 from ppoforge.errors import UserError
-from ppoforge.lm.config import RLHFConfig
+from ppoforge.lm.rl.config import RLHFConfig
 
 CONFIGS = {"control": ControlConfig, "rlhf": RLHFConfig}
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["nan", "-inf", "1e400", "0", "-1", "1e-320", "true",

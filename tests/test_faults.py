@@ -278,7 +278,7 @@ def _rlhf_args(tiny_model: Path, run: Path, reward: str, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from ppoforge.lm.tiny import save_tiny_lm
+    from ppoforge.lm.models.tiny import save_tiny_lm
 
     return save_tiny_lm(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -334,7 +334,7 @@ def test_a_hung_reward_times_out_with_one_line_and_a_checkpoint(capsys, tmp_path
 
 def test_sigterm_wins_inside_a_hung_reward(capsys, tmp_path, tiny_model, reward_module, monkeypatch):
     monkeypatch.setenv("REWARD_MODE", "hang")
-    from ppoforge.lm import trainer as lm_trainer
+    from ppoforge.lm.rl import trainer as lm_trainer
 
     run, calls, real_score = tmp_path / "run", [], lm_trainer.RLHFTrainer.score
 
@@ -389,8 +389,8 @@ def test_resume_refuses_a_data_file_that_changed_since_the_run_started(capsys, t
 # ---- out of memory -------------------------------------------------------------------------------
 
 def test_an_oom_in_a_micro_batch_halves_it_with_the_same_result(tmp_path, tiny_model):
-    from ppoforge.lm.config import RLHFConfig
-    from ppoforge.lm.trainer import RLHFTrainer
+    from ppoforge.lm.rl.config import RLHFConfig
+    from ppoforge.lm.rl.trainer import RLHFTrainer
 
     values = dict(model=str(tiny_model), prompts="demo", heldout_prompts=None, reward="length:3", batch_size=4,
                   mini_batch_size=4, micro_batch_size=4, max_new_tokens=4, max_prompt_tokens=16, ppo_epochs=2,
@@ -416,8 +416,8 @@ def test_an_oom_in_a_micro_batch_halves_it_with_the_same_result(tmp_path, tiny_m
 
 
 def test_an_oom_in_generation_halves_the_generation_batch_with_the_same_draws(tmp_path, tiny_model):
-    from ppoforge.lm.config import RLHFConfig
-    from ppoforge.lm.trainer import RLHFTrainer
+    from ppoforge.lm.rl.config import RLHFConfig
+    from ppoforge.lm.rl.trainer import RLHFTrainer
 
     values = dict(model=str(tiny_model), prompts="demo", heldout_prompts=None, reward="length:3", batch_size=8,
                   mini_batch_size=8, micro_batch_size=8, max_new_tokens=5, progress=False, tensorboard=False,

@@ -18,7 +18,7 @@ NEG = ["terrible", "awful", "sad", "hate", "boring", "horrible"]
 def tiny_models(tmp_path_factory):
     from transformers import BertConfig, BertForSequenceClassification
 
-    from ppoforge.lm.tiny import save_tiny_lm, tiny_tokenizer
+    from ppoforge.lm.models.tiny import save_tiny_lm, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     policy = save_tiny_lm(root / "policy")
@@ -90,7 +90,7 @@ def test_three_stages_then_a_rerun_redoes_nothing_and_refuses_a_changed_finished
 
 
 def test_an_interrupted_stage_resumes_inside_the_stage(tmp_path, tiny_models, capsys, monkeypatch):
-    from ppoforge.lm import trainer as rlhf
+    from ppoforge.lm.rl import trainer as rlhf
 
     config, run = _write(tmp_path, _spec(tiny_models, total_updates=3)), tmp_path / "run"
     real = rlhf.RLHFTrainer.train_one_update

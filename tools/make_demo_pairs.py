@@ -23,12 +23,12 @@ SAMPLES, NEW_TOKENS, MIN_GAP = 4, 32, 0.2
 
 
 def main() -> None:
-    from ppoforge.lm.data import load_prompts
-    from ppoforge.lm.models import load_causal_lm, load_tokenizer
-    from ppoforge.lm.rewards import vader_sentiment
-    from ppoforge.lm.rollout import left_pad
-    from ppoforge.lm.sampler import SamplingParams, sample
-    from ppoforge.lm.setup import tokenize_prompts
+    from ppoforge.lm.data.prompts import load_prompts
+    from ppoforge.lm.models.attention import left_pad
+    from ppoforge.lm.models.loading import load_causal_lm, load_tokenizer
+    from ppoforge.lm.models.sampler import SamplingParams, sample
+    from ppoforge.lm.rl.build import tokenize_prompts
+    from ppoforge.lm.rl.rewards import vader_sentiment
 
     torch.set_num_threads(2)
     tok = load_tokenizer("smollm2-135m-instruct")

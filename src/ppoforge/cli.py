@@ -104,8 +104,8 @@ def _cmd_train_control(args) -> int:
 
 
 def _cmd_train_rlhf(args) -> int:
-    from ppoforge.lm.config import RLHFConfig
-    from ppoforge.lm.trainer import train
+    from ppoforge.lm.rl.config import RLHFConfig
+    from ppoforge.lm.rl.trainer import train
 
     cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
@@ -116,8 +116,8 @@ def _cmd_train_rlhf(args) -> int:
 
 
 def _cmd_train_sft(args) -> int:
-    from ppoforge.lm.config import SFTConfig
-    from ppoforge.lm.sft import train
+    from ppoforge.lm.supervised.config import SFTConfig
+    from ppoforge.lm.supervised.sft import train
 
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
@@ -128,8 +128,8 @@ def _cmd_train_sft(args) -> int:
 
 
 def _cmd_train_reward(args) -> int:
-    from ppoforge.lm.config import RewardConfig
-    from ppoforge.lm.reward_model import train
+    from ppoforge.lm.supervised.config import RewardConfig
+    from ppoforge.lm.supervised.reward_model import train
 
     cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
     result = train(cfg, run_dir, resume=bool(args.resume))
@@ -180,7 +180,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from ppoforge.lm.demo import run_demo
+    from ppoforge.lm.rl.demo import run_demo
     from ppoforge.runtime.rundir import prepare_new_run_dir
 
     name = "demo" if args.task == "sentiment" else f"demo-{args.task}"
@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    from ppoforge.lm.config import RewardConfig, RLHFConfig, SFTConfig
+    from ppoforge.lm.rl.config import RLHFConfig
+    from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
 
     train = sub.add_parser("train", help="train a policy")
     train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)

@@ -27,7 +27,8 @@ import yaml
 
 from ppoforge.config import build_config, read_saved_config, resume_config
 from ppoforge.errors import UserError
-from ppoforge.lm.config import RewardConfig, RLHFConfig, SFTConfig
+from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
 from ppoforge.runtime import trust
 from ppoforge.runtime.rundir import atomic_write_text
 
@@ -73,8 +74,8 @@ def stage_configs(spec: dict[str, dict], run_dir: Path) -> dict:
 
 def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, str | None]:
     """Run (or resume) one stage; (its result, the signal that stopped it or None)."""
-    from ppoforge.lm import reward_model, sft
-    from ppoforge.lm import trainer as rlhf
+    from ppoforge.lm.rl import trainer as rlhf
+    from ppoforge.lm.supervised import reward_model, sft
     from ppoforge.runtime import rundir
 
     resume = (stage_dir / "checkpoint.pt").is_file() or (stage_dir / "checkpoint").is_dir()  # fsdp: a directory

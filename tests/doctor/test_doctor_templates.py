@@ -1,4 +1,4 @@
-"""`chat_template`: the doctor's models have prefix-preserving chat templates (lm/chat.py needs one)."""
+"""`chat_template`: the doctor's models have prefix-preserving chat templates (lm/envs/chat.py needs one)."""
 
 import importlib.util
 
@@ -6,7 +6,7 @@ import pytest
 
 from ppoforge.doctor.report import OK, SKIP, WARN
 from ppoforge.doctor.templates import FIX, check_chat_template, gather_templates
-from ppoforge.lm import smollm2
+from ppoforge.lm.models import smollm2
 
 
 def test_the_tiny_lm_and_a_built_smollm2_pass(monkeypatch, tmp_path):

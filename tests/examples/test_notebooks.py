@@ -37,7 +37,7 @@ def test_control_notebook_trains_plots_and_evaluates(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_rlhf_notebook_trains_plots_and_shows_before_after(tmp_path, monkeypatch):
-    from ppoforge.lm.tiny import save_tiny_lm
+    from ppoforge.lm.models.tiny import save_tiny_lm
 
     model = save_tiny_lm(tmp_path / "tiny-lm")
     monkeypatch.setenv("PPOFORGE_NB_MODEL", str(model))

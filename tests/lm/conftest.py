@@ -33,7 +33,7 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
-from ppoforge.lm.tiny import bpe_tokenizer
+from ppoforge.lm.models.tiny import bpe_tokenizer
 
 WORDS = """\
 the a an i you we it my your this that is was are be and but or so very not no yes of to in on at
@@ -137,7 +137,7 @@ def tiny_reward_model_dir(tmp_path_factory, tiny_lm_dir):
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """The built-in SmolLM2 checkpoint, built once per session into a temporary PPOFORGE_CACHE root."""
-    from ppoforge.lm import smollm2
+    from ppoforge.lm.models import smollm2
 
     root = tmp_path_factory.mktemp("ppoforge-cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -388,7 +388,7 @@ def test_fsdp_at_world_one_trains_and_resumes_the_plain_full_layout(tiny_lm_dir,
 
 
 def _sharded_name(name: str) -> str:
-    """checkpoint.pt's name of a trained weight -> the sharded checkpoint's (lm/policy.py: Trunk, CriticTrunk)."""
+    """checkpoint.pt's name of a trained weight -> the sharded checkpoint's (lm/models/parts.py: Trunk, CriticTrunk)."""
     head, rest = name.split(".", 1)
     return {"policy": "policy.lm.", "critic": "critic.backbone.", "value_head": "critic.value_head."}[head] + rest
 

@@ -59,7 +59,7 @@ def batch() -> torch.Tensor:
 @torch.no_grad()
 def greedy(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens (B, N_NEW) and their logits (B, N_NEW, V) through the lean decoder."""
-    from ppoforge.lm.decoders import LlamaDecoder
+    from ppoforge.lm.models.decoders import LlamaDecoder
 
     decoder = LlamaDecoder(model)
     logits, _ = decoder.prefill(ids, torch.ones_like(ids), N_NEW)

@@ -3,7 +3,7 @@
 Every check here trains something for real on the selected device and precision and asserts the three
 things that catch silent breakage: the loss is finite, the parameters changed, and (for control PPO)
 the checkpoint resumes. The LM smoke run is the real `ppoforge train rlhf` trainer (LoRA layout) on a
-tiny random-init Qwen2 with a tokenizer trained on the spot (`lm/tiny.py`): no download needed.
+tiny random-init Qwen2 with a tokenizer trained on the spot (`lm/models/tiny.py`): no download needed.
 """
 
 from __future__ import annotations
@@ -211,9 +211,9 @@ def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
     from transformers.utils import logging as hf_logging
 
     from ppoforge.config import build_config
-    from ppoforge.lm.config import RLHFConfig
-    from ppoforge.lm.tiny import save_tiny_lm
-    from ppoforge.lm.trainer import CHECKPOINT, RLHFTrainer, train
+    from ppoforge.lm.models.tiny import save_tiny_lm
+    from ppoforge.lm.rl.config import RLHFConfig
+    from ppoforge.lm.rl.trainer import CHECKPOINT, RLHFTrainer, train
 
     hf_logging.disable_progress_bar()  # the doctor's table, not transformers' load/save bars
     threads = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""Whether the doctor's models have chat templates multi-turn episodes can use (lm/chat.py).
+"""Whether the doctor's models have chat templates multi-turn episodes can use (lm/envs/chat.py).
 
 Multi-turn RLHF appends the environment's tokens as a template diff, which needs a prefix-preserving
 template: rendering a conversation must not rewrite its earlier turns when messages are added (Qwen3's
@@ -25,9 +25,9 @@ def gather_templates() -> dict[str, tuple[bool, str] | None] | None:
         from transformers import PreTrainedTokenizerFast
     except ImportError:
         return None
-    from ppoforge.lm import smollm2
-    from ppoforge.lm.chat import prefix_preserving
-    from ppoforge.lm.tiny import tiny_tokenizer
+    from ppoforge.lm.envs.chat import prefix_preserving
+    from ppoforge.lm.models import smollm2
+    from ppoforge.lm.models.tiny import tiny_tokenizer
 
     found: dict[str, tuple[bool, str] | None] = {"tiny Qwen2": prefix_preserving(tiny_tokenizer())}
     if (smollm2.cache_dir() / "tokenizer.json").is_file():

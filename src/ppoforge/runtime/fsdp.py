@@ -113,7 +113,7 @@ def shard_model(model: nn.Module, mp: str | MixedPrecisionPolicy = "fp32", mesh:
     `mesh` defaults to `default_mesh(model)` (a CUDA model should already be on this rank's device).
     `reshard_root=False` keeps the root group (embeddings, final
     norm, LM head) gathered after its forward, until the backward or an explicit `reshard()`: for a
-    caller that applies the LM head to the forward's output outside the root's forward (lm/policy.py's
+    caller that applies the LM head to the forward's output outside the root's forward (lm/models/layouts.py's
     `Trunk`); the head's gradient still reaches the root's reduce-scatter, which runs when backward ends."""
     device = next(model.parameters()).device
     if device.type == "cpu" and (reason := cpu_unsupported_reason()):

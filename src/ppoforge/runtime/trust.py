@@ -35,7 +35,7 @@ _PY_ITEM = re.compile(r"(?:^|,)\s*(?:py|trl):([^,]+?):([A-Za-z_]\w*)\s*(?=,|$)")
 
 
 def code_items(cfg) -> list[str]:
-    """Every `py:target:attr` (or `trl:target:Class`, lm/env.py) target named by a string field of `cfg`."""
+    """Every `py:target:attr` (or `trl:target:Class`, lm/envs/protocol.py) target named by a string field of `cfg`."""
     items = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)

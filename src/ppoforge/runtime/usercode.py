@@ -22,6 +22,11 @@ turned into an error.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
 from ppoforge.errors import Fault, UserError
 from ppoforge.runtime.signals import Interrupted, graceful_sigint
 from ppoforge.runtime.timeouts import StopRequested, call_with_timeout
@@ -50,3 +55,33 @@ def failure(e: BaseException, where: str) -> UserError:
     if not isinstance(e, Exception):
         line += "; allowed: return a result, or raise an Exception to fail (user code cannot end the run)"
     return UserError(line)
+
+
+def load_python(spec: str, what: str = "reward", noun: str = "function", prefix: str = "py",
+                timeout: float | None = None):
+    """`module.path:NAME` or `/path/file.py:NAME` (a module is looked up from the cwd too): the callable
+    NAME, its module imported under `timeout` seconds (its top level is user code). `what`, `noun` and
+    `prefix` word the errors (environments load classes: lm/envs/protocol.py)."""
+    target, sep, func = spec.rpartition(":")
+    if not sep or not target or not func:
+        raise UserError(f"{what} {prefix}:{spec}: expected {prefix}:module.path:{noun} or "
+                        f"{prefix}:/path/file.py:{noun}")
+    if target.endswith(".py") and not Path(target).expanduser().is_file():
+        raise UserError(f"{what} {prefix}:{spec}: no file {Path(target).expanduser()}")
+    module = call_user(lambda: _import(target, what), f"{what} {prefix}:{spec}: importing {target}", timeout)
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise UserError(f"{what} {prefix}:{spec}: {target} has no {noun} {func!r}")
+    return fn
+
+def _import(target: str, what: str):
+    """The module `target`: a file path (loaded under a private name), or a dotted module name."""
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        module_spec = importlib.util.spec_from_file_location(f"ppoforge_{what}_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: modules in the current directory are importable
+    return importlib.import_module(target)

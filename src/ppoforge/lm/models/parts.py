@@ -1,0 +1,141 @@
+"""Model parts the layouts (lm/models/layouts.py) and the supervised trainers share: the value head, the
+trunks (a causal LM's hidden states as one module call, which FSDP2's root group needs), gradient
+checkpointing that keeps every module in eval mode, LoRA merged for decoding, and dtype casting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+
+
+class ValueHead(nn.Module):
+    """Linear(hidden, 1) computed in fp32 on the last hidden states.
+
+    Zero-initialized: the first values are 0 and, on a shared trunk, the first value-loss gradients
+    reach the trunk (the policy's adapters) only as the head grows, instead of a random head's large
+    error pushing the policy around (and inflating Adam's second moments) before it has learned anything.
+    A critic made from a reward model starts from its score head instead (`from_score_head`).
+    """
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def from_score_head(self, score: nn.Linear) -> ValueHead:
+        """Copy a reward model's (1, hidden) score head: the critic starts as the whole reward model."""
+        with torch.no_grad():
+            self.linear.weight.copy_(score.weight.float())
+            if score.bias is not None:
+                self.linear.bias.copy_(score.bias.float())
+        return self
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return nn.functional.linear(hidden.float(), self.linear.weight, self.linear.bias).squeeze(-1)
+
+def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+    """Last hidden states (B, T, H) at the positions that predict the T response tokens of (B, P + T)."""
+    out = backbone(input_ids=ids, attention_mask=as_attention_bias(causal_mask(mask), backbone),
+                   position_ids=position_ids(mask), use_cache=False)
+    # contiguous: a strided 3D input makes matmul fall back to bmm over a (B, H, V) copy of the LM head
+    return out.last_hidden_state[:, -n_resp - 1:-1].contiguous()
+
+class Trunk(nn.Module):
+    """A causal LM's response hidden states as one module call: the full layout's policy and reference.
+    Under FSDP2 it is the root group (embeddings, final norm, LM head): calling the backbone directly
+    would bypass the root's hooks, so its weights would stay shards."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+        return response_hidden(self.lm.base_model, ids, mask, n_resp)
+
+class CriticTrunk(nn.Module):
+    """The full layout's critic: its backbone and value head, values (B, T) fp32 in one module call."""
+
+    def __init__(self, backbone: nn.Module, value_head: ValueHead):
+        super().__init__()
+        self.backbone, self.value_head = backbone, value_head
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+        return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
+
+def enable_gradient_checkpointing(lm: nn.Module, context_fn=None) -> None:
+    """Recompute each decoder layer in backward. HF only checkpoints a layer whose own `training` flag is
+    set, so we set that flag on the layer objects alone: their children stay in eval (no dropout).
+    `context_fn` (torch.utils.checkpoint's) sets up what the recomputation must see."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    lm.eval()
+    for module in lm.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True
+
+def base_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a Linear; for a LoRA Linear, its frozen base layer's."""
+    base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+    return base.weight, base.bias
+
+def policy_adapter(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the policy's adapter ("default") on a LoRA Linear, else None."""
+    if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+        return None
+    return module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
+
+@contextlib.contextmanager
+def merged_lora(peft_model: nn.Module, adapter: str = "default"):
+    """Decode with base + adapter merged into temporary weights: one matmul per adapted layer instead of
+    three, ~40% of a small model's decode step. Only for an fp32 base (in bf16 the merge's rounding
+    swallows small adapter deltas). The base weight objects are swapped out and back, never modified,
+    so the frozen base (and with it the reference) cannot drift by merge/unmerge rounding."""
+    swaps = []
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                base = module.get_base_layer()
+                merged = (base.weight.float() + module.get_delta_weight(adapter).float()).to(base.weight.dtype)
+                swaps.append((base, base.weight, nn.Parameter(merged, requires_grad=False)))
+    with peft_model.disable_adapter():
+        for base, _, merged in swaps:
+            base.weight = merged
+        try:
+            yield
+        finally:
+            for base, original, _ in swaps:
+                base.weight = original
+
+@contextlib.contextmanager
+def yielding(context, value):
+    with context:
+        yield value
+
+def freeze(module: nn.Module) -> nn.Module:
+    module.requires_grad_(False)
+    return module.eval()
+
+def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Store every Linear (not tied to the input embeddings) in `dtype`, the rest as it is (fp32).
+
+    A frozen copy of an fp32 policy stored so computes exactly what the policy computes under autocast
+    (which casts Linear weights to `dtype` on every call, and leaves embeddings and norms in fp32) at
+    about half the memory: the full layout's reference, whose KL to the policy must be 0 at update 1."""
+    embedding = model.get_input_embeddings().weight
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight is not embedding:
+            module.to(dtype)
+    return model

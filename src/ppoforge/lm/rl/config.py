@@ -1,0 +1,257 @@
+"""The RLHF trainer's config, flat: RLHFConfig (PPO, TRL's PPOConfig defaults where they exist). Kept apart
+from the trainer so the CLI can build its parsers without importing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppoforge.config import param
+from ppoforge.core.accumulation import LOSS_AGGREGATIONS
+from ppoforge.core.critic_free import SCALES
+from ppoforge.core.kl import KL_ESTIMATORS
+from ppoforge.errors import UserError
+from ppoforge.runtime.device import check_device_name
+from ppoforge.runtime.precision import PRECISION_CHOICES
+from ppoforge.runtime.resilience import FaultConfig
+
+LAYOUTS = ("lora", "lora-critic", "full")  # see lm/models/layouts.py
+SCORING_MODES = ("auto", "sampler", "recompute")  # see lm/rl/passes.py
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # see lm/rl/rollout.py
+GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce_pp_baseline")  # baselines from each prompt's G completions
+MAX_ROLLOUT_TOKENS = 2**26  # the model-specific memory check comes when the model is known (lm/rl/build.py)
+
+
+@dataclass
+class RLHFConfig(FaultConfig):
+    # ---- models
+    model: str = param("smollm2-135m-instruct", "policy model: a checkpoint dir, a hub id or a built-in name")
+    tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")
+    layout: str = param("lora", "lora: frozen base + adapters, reference = adapters off, value head on the "
+                        "policy's trunk; lora-critic: the critic is a second adapter; full: TRL's 4 models",
+                        choices=LAYOUTS)
+    lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
+    lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
+    lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
+    fsdp: bool = param(False, "full layout under torchrun: shard policy, critic and reference over the ranks "
+                       "with FSDP2 (each rank keeps 1/world of the weights and optimizer state); checkpoints "
+                       "through torch.distributed.checkpoint, which resume on any world size")
+    critic_model: str | None = param(None, "full layout: a reward model to start the critic from (its trunk "
+                                     "and score head, as TRL does); default: the policy's trunk, zero head")
+    # ---- data and reward
+    prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, demo, or "
+                         "task:NAME?KEY=VALUE&... (a reasoning-gym task, with --reward task)", data=True)
+    prompt_field: str = param("prompt", "field of each row that holds the prompt text")
+    heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
+                                        "(eval/ metrics); none to skip", resume=True)
+    heldout_samples: int = param(4, "completions sampled per held-out prompt; eval/scores averages all of "
+                                 "them (one sample of 16 prompts swung the mean by +-0.13 here)",
+                                 lo=1, hi=4096, resume=True)
+    use_chat_template: bool = param(True, "wrap prompts in the tokenizer's chat template when it has one")
+    reward: str = param("vader", "reward spec, comma-separated: vader, length:N, format:REGEX, "
+                        "eos_penalty:X, model:PATH (its own tokenizer, else the policy's), task (the checker of task: "
+                        "prompts), py:module:function")
+    reward_weights: str | None = param(None, "comma-separated weight per reward term (default: all 1)")
+    reward_clip: float | None = param(100.0, "clip each score to +-this, counted in guard/rewards_clipped "
+                                      "(none: off); a non-finite score skips the update (see reliability docs)",
+                                      gt=0, hi=1e12)
+    # ---- sampling
+    max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens", lo=1, hi=1_000_000)
+    max_new_tokens: int = param(32, "response length limit", lo=1, hi=1_000_000)
+    temperature: float = param(0.7, "sampling temperature; log-probs use the same scaling", gt=0, hi=100.0)
+    top_k: int = param(0, "sample from the k most likely tokens (0: off)", lo=0, hi=10_000_000)
+    top_p: float = param(1.0, "nucleus sampling mass (1: off)", gt=0, hi=1.0)
+    stop_tokens: str | None = param(None, "extra stop tokens besides EOS: comma-separated ids or tokens")
+    # ---- PPO
+    batch_size: int = param(16, "prompts per rollout (each sampled num_generations times)", lo=1, hi=1_000_000)
+    mini_batch_size: int = param(16, "responses per optimizer step", lo=1, hi=1_000_000)
+    micro_batch_size: int = param(8, "responses per forward/backward (accumulated to a mini-batch)", lo=1, hi=1_000_000)
+    ppo_epochs: int = param(4, "passes over each rollout", lo=1, hi=10_000)
+    learning_rate: float = param(1e-4, "AdamW learning rate (full fine-tuning wants ~1e-6)", gt=0, hi=10.0)
+    anneal_lr: bool = param(True, "decay the learning rate linearly to 0 over total_updates")
+    gamma: float = param(1.0, "discount over response tokens (GAE, REINFORCE++)", lo=0.0, hi=1.0)
+    lam: float = param(0.95, "GAE lambda", lo=0.0, hi=1.0)
+    clip: float = param(0.2, "PPO ratio clip epsilon", gt=0, hi=100.0)
+    value_clip: float | None = param(0.2, "clip values to old values +- this (none: no value clipping)", gt=0, hi=1e6)
+    vf_coef: float = param(0.1, "value loss coefficient (gae)", lo=0.0, hi=1e4)
+    ent_coef: float = param(0.0, "entropy bonus coefficient", lo=0.0, hi=1e4)
+    kl_coef: float = param(0.05, "initial KL coefficient beta (0: no KL term and no reference pass)", lo=0.0, hi=1e4)
+    kl_estimator: str = param("k1", "per-token KL estimator (in the reward or the loss: kl_in)", choices=KL_ESTIMATORS)
+    kl_target: float | None = param(None, "adaptive KL: target KL per response (none: fixed beta)", gt=0, hi=1e6)
+    kl_horizon: int = param(10000, "adaptive KL horizon in responses", lo=1, hi=10**12)
+    old_logprobs: str = param("auto", "where old log-probs, values and the reference come from: sampler (the "
+                              "decode loop's and the lean decoder's, as TRL uses the sampler's); recompute "
+                              "(training forwards, one more per update); auto: the fast ones where a check on "
+                              "the first rollout finds them bit-identical, else recomputed",
+                              choices=SCORING_MODES, resume=True)
+    whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
+    max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0, hi=1e9)
+    # ---- critic-free estimators (GRPO, RLOO, REINFORCE++) and their loss options (docs/rlhf.md)
+    advantage: str = param("gae", "advantage estimator: gae (PPO, with a critic); critic-free: grpo and rloo "
+                           "(each prompt's num_generations completions as baseline), reinforce_pp (REINFORCE++: "
+                           "whitened reward-to-go), reinforce_pp_baseline (group-centered score, then that)",
+                           choices=ADVANTAGES)
+    num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
+                                 "each prompt's G in a row", lo=1, hi=65536)
+    scale_rewards: str = param("auto", "grpo: divide advantages by each group's reward std (group), the batch's "
+                               "(batch) or not at all (none: Dr. GRPO); rloo: whiten the advantages over the batch "
+                               "(batch: TRL's normalize_advantages) or not (none); auto: group for grpo (batch when "
+                               "the KL is in the reward), none for rloo", choices=("auto", *SCALES))
+    loss_agg: str = param("token_mean", "how per-token losses make a mini-batch's loss: token_mean; "
+                          "seq_mean_token_mean (mean of each response's token mean: GRPO's); seq_sum_norm (sum / "
+                          "(responses x max_new_tokens): Dr. GRPO's)", choices=LOSS_AGGREGATIONS)
+    kl_in: str = param("reward", "where the KL to the reference acts: reward (-beta KL_t in each token's reward, "
+                       "PPO's) or loss (+beta KL_t aggregated like the policy loss, GRPO's)",
+                       choices=("reward", "loss"))
+    clip_high: float | None = param(None, "upper ratio clip 1 + this, DAPO's clip-higher (none: 1 + clip)",
+                                    gt=0, hi=100.0)
+    # ---- multi-turn episodes with an environment (lm/envs/protocol.py, lm/envs/episodes.py, docs/environments.md)
+    env: str | None = param(None, "environment the policy talks with over several turns, one episode per "
+                            "prompt row: py:module:Class, textarena:GAME, trl:module:Class or a built-in name "
+                            "(guess_number); it scores the episodes (reward: env). none: single-turn prompts")
+    max_turns: int = param(1, "env: policy turns per episode (max_new_tokens is per turn)", lo=1, hi=10_000)
+    max_episode_tokens: int | None = param(None, "env: policy + environment tokens per episode after the prompt "
+                                           "(none: every turn's max_new_tokens plus the replies')", lo=1, hi=10**7)
+    max_env_tokens: int = param(128, "env: tokens per environment reply (longer: env_overflow)", lo=1, hi=10**7)
+    env_overflow: str = param("truncate", "env: a reply over max_env_tokens is cut in the middle (truncate) or "
+                              "ends the episode as a budget truncation (drop)", choices=("truncate", "drop"))
+    end_check: str = param("warn", "env: compare each episode's tokens with the chat template's rendering of its "
+                           "conversation: strict (a mismatch is an error), warn (counted in "
+                           "env/template_mismatch), off", choices=("strict", "warn", "off"))
+    # ---- run
+    total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1, hi=10**9, resume=True)
+    seed: int = param(1, "seed for sampling, data order and initialization", lo=0, hi=2**32 - 1)
+    precision: str = param("fp32", "fp32; bf16 (autocast; CPU or CUDA); fp16 (CUDA, with a GradScaler); auto: bf16 "
+                           "where the device has it natively (GPU >= sm80, CPU with AMX or AVX512-BF16), else fp32",
+                           choices=PRECISION_CHOICES)
+    device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N", resume=True)
+    torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)",
+                                      lo=1, hi=4096, resume=True)
+    gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory", resume=True)
+    decoder: str = param("auto", "sampling loop: lean (our Llama/Qwen2 decode step, ~2x faster); hf (the "
+                         "model's own forward, any model); auto: lean where it applies",
+                         choices=("auto", "lean", "hf"), resume=True)
+    attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (eager on CPU, "
+                                     "faster there at RLHF lengths; the model's default elsewhere), eager, sdpa",
+                                     choices=("auto", "eager", "sdpa"))
+    checkpoint_every: int = param(25, "save a checkpoint every this many updates (and at the end)",
+                                  lo=1, hi=10**9, resume=True)
+    log_every: int = param(1, "log metrics and a completions table every this many updates",
+                           lo=1, hi=10**9, resume=True)
+    tensorboard: bool = param(True, "also write TensorBoard event files", resume=True)
+    progress: bool = param(True, "show a live progress bar", resume=True)
+
+    @property
+    def rollout_size(self) -> int:
+        """Responses per rollout: batch_size prompts x num_generations completions each."""
+        return self.batch_size * self.num_generations
+
+    @property
+    def episode_tokens(self) -> int:
+        """Tokens after the prompt: max_new_tokens, or with an env the episode budget."""
+        if not self.env:
+            return self.max_new_tokens
+        return self.max_episode_tokens or (self.max_turns * self.max_new_tokens
+                                           + (self.max_turns - 1) * self.max_env_tokens)
+
+    @property
+    def has_critic(self) -> bool:
+        """Only GAE learns a value function; the critic-free estimators build no critic at all."""
+        return self.advantage == "gae"
+
+    @property
+    def reward_scale(self) -> str:
+        """`scale_rewards` resolved: auto is group for grpo (TRL's default) — batch when the KL is in the reward,
+        whose per-group std would be KL noise (see `_check_estimator`) —, none for the rest (RLOO's paper)."""
+        if self.scale_rewards != "auto":
+            return self.scale_rewards
+        if self.advantage != "grpo":
+            return "none"
+        return "batch" if self.kl_in_reward else "group"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """The rewards carry -beta * KL_t (kl_in: reward with a reference pass)."""
+        return self.kl_in == "reward" and self.kl_coef > 0
+
+    def finalize(self) -> None:
+        check_device_name(self.device)
+        tokens = self.rollout_size * (self.max_prompt_tokens + self.episode_tokens)
+        if tokens > MAX_ROLLOUT_TOKENS:
+            raise UserError(f"batch_size: {self.batch_size} x num_generations {self.num_generations} x "
+                            f"(max_prompt_tokens + {'episode' if self.env else 'max_new'}_tokens) = {tokens:,} "
+                            f"tokens per rollout; allowed: <= {MAX_ROLLOUT_TOKENS:,}")
+        self._check_env()
+        rollout = (f"batch_size {self.batch_size}" if self.num_generations == 1 else
+                   f"batch_size x num_generations = {self.rollout_size}")
+        if self.rollout_size % self.mini_batch_size:
+            raise UserError(f"mini_batch_size: {self.mini_batch_size} does not divide {rollout}; allowed: a "
+                            "divisor of it")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide mini_batch_size "
+                            f"{self.mini_batch_size}; allowed: a divisor of mini_batch_size")
+        if self.critic_model is not None and self.layout != "full":
+            raise UserError(f"critic_model: only the full layout has a separate critic model; allowed: none "
+                            f"with layout {self.layout}")
+        self._check_fsdp()
+        self._check_estimator()
+
+    def _check_fsdp(self) -> None:
+        """FSDP2 shards the full layout's models and decodes with the lean decoder on gathered weights."""
+        if not self.fsdp:
+            return
+        if self.layout != "full":
+            raise UserError(f"fsdp: shards the full layout's models; layout {self.layout} trains adapters, which "
+                            "plain data parallelism replicates; allowed: layout full, or fsdp false")
+        if self.precision == "fp16":
+            raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
+                            "all-reduce across ranks); allowed: fp32, bf16, auto")
+        if self.decoder == "hf":
+            raise UserError("decoder: hf with fsdp would run a collective per decoded token, and rows that end at "
+                            "different steps on different ranks would hang it; allowed: auto or lean (fsdp "
+                            "gathers the policy whole for the lean decoder)")
+
+    def _check_env(self) -> None:
+        if not self.env:
+            changed = [name for name, default in (("max_turns", 1), ("max_episode_tokens", None))
+                       if getattr(self, name) != default]
+            if changed or self.reward == "env":
+                raise UserError(f"{(changed or ['reward'])[0]}: applies to multi-turn episodes; allowed without "
+                                "env: its default (set env to an environment)")
+            return
+        if self.reward != "env":
+            raise UserError(f"reward: {self.reward!r} with env {self.env!r}, which scores its own episodes; "
+                            "allowed: env")
+
+    def _check_estimator(self) -> None:
+        """Combinations of the advantage estimator, its KL and its critic that cannot work."""
+        adv = self.advantage
+        if adv in GROUP_ADVANTAGES and self.num_generations < 2:
+            raise UserError(f"num_generations: {self.num_generations} with advantage {adv}, whose baseline is "
+                            "the other completions of the same prompt; allowed: >= 2")
+        if self.scale_rewards != "auto" and adv not in ("grpo", "rloo"):
+            raise UserError(f"scale_rewards: {self.scale_rewards} applies to grpo and rloo; allowed with "
+                            f"advantage {adv}: auto" + (" (it whitens over the batch itself)" if adv != "gae" else ""))
+        if adv == "rloo" and self.scale_rewards == "group":
+            raise UserError("scale_rewards: group does not apply to rloo, which normalizes its advantages over the "
+                            "batch (TRL's normalize_advantages); allowed with advantage rloo: batch, none, auto")
+        if adv == "grpo" and self.scale_rewards == "group" and self.kl_in_reward:
+            # a group whose scores all agree has a tiny but non-zero std of (score - beta * KL): its
+            # advantages would be KL noise scaled to unit variance, a "no signal" group trained on noise
+            raise UserError(f"scale_rewards: group with kl_in reward (kl_coef {self.kl_coef:g}) divides each group's "
+                            "KL noise by its own tiny std; allowed: kl_in loss, scale_rewards batch or none, or "
+                            "kl_coef 0")
+        if not self.has_critic and self.layout == "lora-critic":
+            raise UserError(f"layout: lora-critic trains a critic adapter, which advantage {adv} does not use; "
+                            "allowed: lora or full")
+        if not self.has_critic and self.critic_model is not None:
+            raise UserError(f"critic_model: advantage {adv} has no critic; allowed: none (or advantage gae)")
+        if not self.has_critic and self.whiten_rewards:
+            raise UserError(f"whiten_rewards: whitens GAE's per-token rewards; allowed with advantage {adv}: false")
+        if self.kl_in == "loss" and self.kl_estimator == "k1" and self.kl_coef:
+            raise UserError("kl_estimator: k1 as a loss term has zero expected gradient (E[grad log pi] = 0); "
+                            "allowed with kl_in loss: k2 or k3")
+        if self.kl_target is not None and not self.kl_coef:
+            raise UserError("kl_target: the adaptive controller scales kl_coef, which is 0 (no reference pass); "
+                            "allowed: none with kl_coef 0, or kl_coef > 0")
+
+

@@ -1,0 +1,100 @@
+"""A rollout's old log-probs, values and reference log-probs: fast where that is exact, else recomputed.
+
+The fast path reuses what sampling already produced — the sampler's log-probs of its tokens and, when
+the value head reads the policy's trunk, its hidden states — and runs the LoRA reference through the
+lean decoder's prepared weights. The plain path runs the training forward (Hugging Face modules) for
+the policy and the reference. PPO's ratio at the first mini-batch must be exactly 1 and the KL of an
+untrained policy exactly 0, so the fast path is used only where it is bit-identical to the plain one:
+with `old_logprobs: auto` the first rollout computes both, keeps the plain numbers, and decides for the
+rest of the run, separately for the policy and the reference. Whether they agree depends on kernels,
+not on the code: measured on CPU, bf16 with eager attention is exact on torch 2.6 and 2.13; fp32 is not
+(an fp32 GEMM of the decode's B rows rounds differently from the forward's B * T rows, ~5e-7), nor is
+SDPA; GPUs are another set of kernels again.
+
+Without a critic (the critic-free estimators) there are no values: None, and no critic pass; without
+a KL term (`kl_coef: 0`) there is no reference pass: its log-probs are None. With `policy=False` (a
+rollout trained in one optimizer step, see `RLHFTrainer`) nothing needs the old log-probs before the
+update, which takes them from its own forward: the sampler's stand in for the rollout's KL metric.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ppoforge.lm.models.layouts import Layout
+from ppoforge.lm.models.logprobs import token_logprobs
+from ppoforge.lm.models.sampler import Samples
+from ppoforge.runtime import distributed
+
+
+class RolloutScoring:
+    """Call it on a rollout: (old logp, values, ref logp), (B, T) fp32 each, under the caller's autocast;
+    values None without a critic, ref logp None without a reference (`reference=False`)."""
+
+    def __init__(self, layout: Layout, mode: str, temperature: float, chunk_rows: int, where: str,
+                 critic: bool = True, reference: bool = True, policy: bool = True):
+        self.layout, self.temperature, self.chunk_rows, self.where = layout, temperature, chunk_rows, where
+        self.critic, self.reference = critic, reference
+        trust = {"sampler": True, "recompute": False, "auto": None}[mode]
+        self.fast_policy = trust if policy else True  # None: decided on the first rollout
+        self.fast_reference = trust if layout.fast_ref_forward is not None else False
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples):
+        m = samples.response_mask
+        if self.fast_policy is None:
+            (logp, values), fast = self._policy_plain(ids, mask, samples), self._policy_fast(ids, mask, samples)
+            self.fast_policy = self._same("policy", (logp, values), fast, m, ("log-probs", "values"))
+        else:
+            logp, values = (self._policy_fast if self.fast_policy else self._policy_plain)(ids, mask, samples)
+        if not self.reference:
+            return logp, values, None
+        if self.fast_reference is None:
+            ref = self._reference(ids, mask, samples, self.layout.ref_forward)
+            fast = self._reference(ids, mask, samples, self.layout.fast_ref_forward)
+            self.fast_reference = self._same("reference", (ref,), (fast,), m, ("log-probs",))
+        else:
+            forward = self.layout.fast_ref_forward if self.fast_reference else self.layout.ref_forward
+            ref = self._reference(ids, mask, samples, forward)
+        return logp, values, ref
+
+    def _logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+        """fp32 log-probs of resp (B, T) from hidden (B, T, H), the LM head applied `chunk_rows` rows at a time."""
+        step = self.chunk_rows
+        return torch.cat([token_logprobs(head(hidden[s:s + step]), resp[s:s + step], self.temperature,
+                                         entropy=False)[0] for s in range(0, resp.shape[0], step)])
+
+    def _policy_plain(self, ids, mask, samples: Samples):
+        """Log-probs and values from one training forward of the policy (and the critic)."""
+        hidden, values = self.layout.forward(ids, mask, samples.response_ids.shape[1])
+        return self._logprobs(self.layout.logits, hidden, samples.response_ids), values
+
+    def _policy_fast(self, ids, mask, samples: Samples):
+        """The sampler's log-probs; values from its hidden states where the value head reads the policy's
+        trunk, else from the critic's own pass (none without a critic)."""
+        if not self.critic:
+            return samples.logp, None
+        values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
+        if values is None:
+            values = self.layout.values(ids, mask, samples.response_ids.shape[1])
+        return samples.logp, values
+
+    def _reference(self, ids, mask, samples: Samples, forward) -> torch.Tensor:
+        hidden = forward(ids, mask, samples.response_ids.shape[1])
+        return self._logprobs(self.layout.ref_logits, hidden, samples.response_ids)
+
+    def _same(self, what: str, plain, fast, m: torch.Tensor, names: tuple[str, ...]) -> bool:
+        """Bit for bit on real tokens (values None: no critic)? If not, say so once on stderr (the run then
+        recomputes them)."""
+        gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(names, plain, fast, strict=True)
+                if p is not None}
+        if not distributed.any_true(any(g != 0 for g in gaps.values())):  # the ranks decide alike
+            return True
+        diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap)
+        fix = ("old log-probs and values come from a training forward every update (one more forward)"
+               if what == "policy" else "the reference runs through Hugging Face's forward")
+        if distributed.is_main():  # the ranks decided alike: one note
+            print(f"ppoforge: the fast {what} path differs from the training forward ({diff}) on {self.where}: "
+                  f"{fix}", file=sys.stderr)
+        return False

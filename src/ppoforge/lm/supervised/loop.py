@@ -1,0 +1,343 @@
+"""The loop SFT and reward-model training share: epochs of shuffled examples, one optimizer step per
+batch, gradient accumulation over micro-batches, evaluation, checkpoints, exact resume.
+
+A task (`sft.SFTTask`, `reward_model.RewardTask`) owns the model, the examples and the loss; this
+module owns everything around them, composed from the shared pieces: precision (`runtime/precision`),
+token-share accumulation (`core/accumulation`: a micro-batch's mean loss is weighted by its share of
+the batch's loss units — tokens for SFT, pairs for reward models — so any split gives the batch's
+gradient), the non-finite guard, OOM halving of the micro-batch, `RunGuard` checkpoints on failure and
+`train_loop` (signals, periodic checkpoints). The data order is a permutation per epoch seeded by
+(seed, epoch) and a cursor: a resumed run sees exactly the batches the uninterrupted one would.
+Under torchrun every rank draws the same global batch and trains its slice of it; the loss units are
+counted over the whole batch (every rank holds all items, so no collective is needed for it), and the
+gradients, loss and stats are all-reduced once per step. Evaluation is sharded the same way (the task
+combines the ranks' sums); every run-dir write is rank 0's. With `fsdp` (the full layout sharded by FSDP2,
+`Task.shard`) FSDP reduces the gradients, every rank runs as many micro-batches as the rank with the most
+items (FSDP's forward and backward are collectives), and every rank evaluates every held-out item.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ppoforge.config import config_to_dict, save_config
+from ppoforge.core.accumulation import token_share
+from ppoforge.lm.supervised.config import SupervisedConfig
+from ppoforge.runtime import distributed, trust
+from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
+from ppoforge.runtime.device import resolve_device
+from ppoforge.runtime.metrics import MetricsLogger, NullLogger, truncate_metrics
+from ppoforge.runtime.oom import halve, is_oom
+from ppoforge.runtime.precision import make_precision
+from ppoforge.runtime.progress import Progress
+from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.rundir import atomic_write_text
+
+CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
+
+
+class Task(Protocol):
+    """What a supervised objective provides to the loop."""
+
+    name: str             # "sft" / "reward": the `ppoforge train <name>` command
+    train_items: list     # examples (or packed rows / pairs), in file order
+    eval_items: list
+    device: torch.device
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+
+    def size(self, item) -> int: ...  # tokens one item puts in a padded row (micro-batches group similar sizes)
+
+    def units(self, items: list) -> torch.Tensor: ...  # loss units in items (tokens, pairs): the mean's divisor
+
+    def loss(self, items: list) -> tuple[torch.Tensor, dict]: ...  # mean loss over items' units, detached stats
+    #   under the names in `stat_keys`
+
+    stat_keys: tuple[str, ...]  # the stats `loss` returns: the fixed layout of the per-step all-reduce, the same
+    #   on every rank whatever its items (none included)
+
+    def evaluate(self, items: list) -> dict: ...  # eval/ metrics over this rank's slice of the held-out items,
+    #   combined over the ranks (the same on every rank); rank 0 writes what goes into the run dir
+
+    def export(self, path: Path) -> None: ...  # save_pretrained of the trained model and its tokenizer
+    #   (rank 0's call; every rank's when sharded: it gathers the weights)
+
+    sharded: bool  # FSDP2: the model's weights are shards (`shard`, the full layout with `fsdp` under torchrun)
+
+    def shard(self, precision: str) -> None: ...  # FSDP2 groups over the ranks; trainable() then the shards
+
+    def checkpoint_module(self) -> torch.nn.Module: ...  # the trained model under names torch.distributed.
+    #   checkpoint keeps whatever the world size
+
+    def release(self) -> None: ...  # free what a no-grad pass left gathered
+
+
+class SupervisedTrainer:
+    def __init__(self, cfg: SupervisedConfig, run_dir: Path, task: Task):
+        self.cfg, self.run_dir, self.task = cfg, Path(distributed.rank0_value(str(run_dir))), task
+        self.world = distributed.world()  # joined in `prepare`, before the task built its model
+        distributed.shard(cfg.batch_size, "batch_size")  # a global batch that divides by the ranks
+        # FSDP2 (`fsdp` under torchrun): FSDP casts the weights (bf16) in place of autocast, reduces the
+        # gradients itself, and every rank runs every micro-batch's forward/backward (`_gradients`)
+        self.sharded = cfg.fsdp and self.world.size > 1
+        if self.sharded:
+            from ppoforge.runtime.precision import resolve_precision
+
+            distributed.broadcast_params([p for _, p in task.trainable()])
+            task.shard(resolve_precision(cfg.precision, task.device))
+        self.precision = make_precision("fp32" if self.sharded else cfg.precision, task.device)
+        self.params = [p for _, p in task.trainable()]
+        if not self.sharded:
+            distributed.broadcast_params(self.params)
+        distributed.reseed(cfg.seed)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                           fused=task.device.type in ("cpu", "cuda"))
+        n = len(task.train_items)
+        self.steps_per_epoch = math.ceil(n / cfg.batch_size)
+        self.total_steps = max(1, round(cfg.epochs * self.steps_per_epoch))
+        self.warmup = round(cfg.warmup_ratio * self.total_steps)
+        self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
+        self.update, self.cursor, self.lr_scale, self.optimizing = 0, 0, 1.0, False
+        self.micro_batch = cfg.micro_batch_size
+        self._order = (-1, None)
+        self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
+        self.sharded_module = task.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
+        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train {task.name} --resume {run_dir}",
+                                  write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
+                                  if cfg.fsdp else None)
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The whole state; with `fsdp` all but the weights and optimizer, which `sharded_writer` saves."""
+        weights = {} if self.cfg.fsdp else {"trainable": {n: p.detach().clone() for n, p in self.task.trainable()},
+                                            "optimizer": self.optimizer.state_dict()}
+        return {**weights, "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg),
+                **self.light_state()}
+
+    def light_state(self) -> dict:
+        return {"rng": rng_state(), "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
+                "lr_scale": self.lr_scale}
+
+    def resume(self) -> None:
+        """Continue from the run dir's checkpoint, whatever world size wrote it."""
+        resume_from(self, self.checkpoint, self.sharded_module)
+
+    def load(self, state: dict) -> None:
+        """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
+        if "trainable" in state:
+            with torch.no_grad():
+                for name, p in self.task.trainable():
+                    p.copy_(state["trainable"][name])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        set_rng_state(state["rng"])
+        self.update, self.cursor = state["update"], state["cursor"]
+        self.guard.load_state_dict(state["guard"])
+        self.lr_scale = state["lr_scale"]
+
+    def rollback(self) -> None:
+        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
+        distributed.barrier()  # rank 0's checkpoint is on disk
+        self.resume()
+        self.guard.counts.update(counts)
+        self.lr_scale = scale
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def next_batch(self) -> list:
+        """The next batch_size items of an epoch-wise shuffled stream (permutation seeded by (seed, epoch));
+        an epoch's last batch is the partial rest of it."""
+        n, epoch = len(self.task.train_items), self.cursor // len(self.task.train_items)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.cfg.seed, epoch]).permutation(n))
+        start = self.cursor % n
+        idx = self._order[1][start:start + self.cfg.batch_size]
+        self.cursor += len(idx)
+        return [self.task.train_items[i] for i in idx]
+
+    def learning_rate(self) -> float:
+        """Linear warm-up over the first `warmup` steps, then linear decay to 0 at the last step."""
+        step = self.update
+        if step < self.warmup:
+            return self.cfg.learning_rate * self.lr_scale * (step + 1) / self.warmup
+        left = (self.total_steps - step) / max(1, self.total_steps - self.warmup)
+        return self.cfg.learning_rate * self.lr_scale * max(0.0, left)
+
+    def _gradients(self, items: list) -> tuple[torch.Tensor, dict]:
+        """The batch's gradients in .grad (micro-batches of `micro_batch` items, halved and redone on OOM);
+        the batch-mean loss and stats. Micro-batches take the items in order of size, so each pads to
+        less; the token-share weights make the sum the batch's gradient whatever the split."""
+        total = self.task.units(items)  # the whole (global) batch's units: the single-process weights
+        mine = sorted(items[distributed.uneven_shard(len(items))], key=self.task.size)  # this rank's
+        # sharded, every rank runs as many micro-batches as the rank with the most items (FSDP's forward and
+        # backward are collectives); a rank's extra ones are a real item weighted 0
+        most = math.ceil(len(items) / self.world.size) if self.sharded else len(mine)  # uneven_shard's largest
+        scale = self.world.size if self.sharded else 1  # FSDP averages the ranks' gradients: x world sums them
+        while True:
+            n_micro = math.ceil(most / self.micro_batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                loss_sum, stats = torch.zeros((), device=self.task.device), {}
+                with self.precision.weight_cache():
+                    for s in range(0, n_micro * self.micro_batch, self.micro_batch):
+                        micro = mine[s:s + self.micro_batch]
+                        share = token_share(self.task.units(micro).reshape(1), total) if micro else 0.0
+                        with self.precision.autocast():
+                            loss, mb_stats = self.task.loss(micro or items[:1])
+                        self.precision.backward(loss * share * scale)
+                        loss_sum += share * loss.detach()
+                        for k, v in mb_stats.items():
+                            stats[k] = stats.get(k, 0) + share * v
+                return loss_sum, stats
+            except Exception as e:
+                if not is_oom(e) or self.sharded:  # sharded: a rank alone redoing it would break the lockstep
+                    raise
+                self.micro_batch = halve(self.micro_batch, "micro-batch", e)
+
+    def _all_reduced(self, loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
+        """The ranks' gradients, loss and stats summed (each already weighted by its share of the batch)
+        in one all-reduce; as they are at world 1."""
+        if not distributed.collectives():
+            return loss, stats
+        keys = self.task.stat_keys  # declared, not read from this rank's data: a rank without items has none
+        zero = torch.zeros((), device=self.task.device)
+        extra = torch.stack([loss.reshape(()), *(torch.as_tensor(stats.get(k, zero), device=zero.device)
+                                                 .reshape(()).to(zero) for k in keys)]).float()
+        # one all-reduce (sharded: of the loss and stats alone, FSDP reduced the gradients in backward)
+        summed = distributed.all_sum(extra) if self.sharded else distributed.all_reduce_grads(self.params, extra)
+        return summed[0], dict(zip(keys, summed[1:], strict=True))
+
+    def train_one_update(self) -> dict:
+        start = time.perf_counter()
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        items = self.next_batch()
+        loss, stats = self._all_reduced(*self._gradients(items))
+        norm = self.precision.clip(self.optimizer, self.params, self.cfg.max_grad_norm)
+        ok = self.guard.step_ok(loss, norm, self.precision.scaler is not None)
+        self.optimizing = True
+        self.precision.apply(self.optimizer, skip=not ok)
+        self.update += 1
+        metrics = {"train/loss": loss, "train/grad_norm": norm, **{f"train/{k}": v for k, v in stats.items()}}
+        metrics = {k: float(v) for k, v in metrics.items()}
+        elapsed = time.perf_counter() - start
+        units = float(self.task.units(items))
+        metrics.update({"lr": lr, "epoch": self.cursor / len(self.task.train_items), **self.guard.counts,
+                        "guard/micro_batch_size": self.micro_batch, "perf/units_per_s": units / elapsed,
+                        "perf/step_s": elapsed, "perf/world_size": self.world.size})
+        return metrics
+
+    # ---- the run -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate(self) -> dict:
+        """The held-out metrics; under torchrun each rank scores its slice and the task combines them."""
+        items = self.task.eval_items
+        if not items:
+            return {}
+        with self.precision.autocast():  # sharded, every rank scores every item (FSDP's lockstep)
+            metrics = self.task.evaluate(items if self.sharded else items[distributed.uneven_shard(len(items))])
+        self.task.release()
+        return metrics
+
+    def run(self) -> dict:
+        """Train to the end (or a stop signal); returns the last metrics, eval included."""
+        cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
+        if main:
+            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.batch_size, "examples"))
+            if self.update == 0:
+                trust.record(self.run_dir, cfg)
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
+        progress = Progress(self.total_steps, self.update, enabled=cfg.progress and main, unit="step")
+        last: dict = {}
+
+        def after_update(metrics: dict) -> None:
+            if self.update % cfg.eval_every == 0 or self.update == self.total_steps:
+                metrics.update(self.evaluate())
+            last.update(metrics)
+            if self.update % cfg.log_every == 0 or self.update == self.total_steps:
+                logger.log(self.update, metrics)
+            progress.advance(1, loss=metrics["train/loss"], eval=metrics.get("eval/loss"))
+
+        try:
+            if self.update == 0:
+                first = self.evaluate()
+                logger.log(0, first)
+                last.update(first)
+                if cfg.nonfinite_action == "rollback":
+                    self.run_guard.save()
+            stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
+            if self.update == self.total_steps and not stopped and (main or self.sharded):
+                self.task.export(self.run_dir / "model")  # sharded, every rank takes part in gathering
+        finally:
+            progress.close()
+            logger.close()
+        if main:
+            atomic_write_text(self.run_dir / "summary.json",
+                              json.dumps({"steps": self.update, "stopped_by": stopped, **last}, indent=1) + "\n")
+        return {"steps": self.update, "stopped_by": stopped, **last}
+
+
+def prepare(cfg: SupervisedConfig):
+    """What a task needs before it builds its model: threads and seeds set; (the device, the tokenizer:
+    `cfg.tokenizer`, else the model's own)."""
+    from ppoforge.lm.models.loading import load_tokenizer
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    distributed.init(cfg.dist_timeout, device)  # torchrun's process group (nothing at world 1)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
+                               field="tokenizer" if cfg.tokenizer else "model")
+    return device, tokenizer
+
+
+def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[list, list, list[dict], str, object]:
+    """(training items, held-out items, held-out rows, the data's name, its Drops): `cfg.data` and
+    `cfg.eval_data` (else the held-out share of `data`) read, each row made an item by
+    `build(rows, where, tokenizer, max_length, strict)`, the rows left out reported."""
+    from ppoforge.lm.supervised.examples import read_rows
+
+    rows, where = read_rows(cfg.data, cfg.data_split)
+    if cfg.eval_data:
+        train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)
+    else:
+        (train_rows, eval_rows), eval_where = split_eval(rows, cfg), f"{where} (held-out share)"
+    train, drops = build(train_rows, where, tokenizer, cfg.max_length, cfg.strict)
+    held, eval_drops = build(eval_rows, eval_where, tokenizer, cfg.max_length, cfg.strict)
+    report_drops(run_dir, (drops, len(train)), (eval_drops, len(held)))
+    return train, held, [row for _, row in eval_rows], where, drops
+
+
+def report_drops(run_dir: Path, *drops) -> None:
+    """Say on stderr and in data_report.json which rows were left out and why (rank 0)."""
+    if not distributed.is_main():
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "data_report.json").write_text(json.dumps(
+        [{"source": d.where, "used": used, "left_out": dict(d.counts),
+          "first": {k: {"line": v[0], "detail": v[1]} for k, v in d.first.items()}} for d, used in drops],
+        indent=1) + "\n")
+    for d, used in drops:
+        print(f"ppoforge: {d.summary(used)}", file=sys.stderr)
+
+
+def split_eval(rows: list, cfg: SupervisedConfig) -> tuple[list, list]:
+    """(train rows, held-out rows): the last `eval_fraction` of a seeded shuffle of the rows."""
+    if cfg.eval_fraction == 0 or len(rows) < 2:
+        return rows, []
+    order = np.random.default_rng([cfg.seed, 12345]).permutation(len(rows))
+    n_eval = max(1, round(cfg.eval_fraction * len(rows)))
+    return [rows[i] for i in sorted(order[n_eval:])], [rows[i] for i in sorted(order[:n_eval])]

@@ -1,0 +1,145 @@
+"""`ppoforge train reward`: a scalar reward model from preference pairs, the second stage of RLHF.
+
+Any `AutoModelForSequenceClassification` with one label: a causal LM (the score at the last real token)
+or an encoder such as MiniLM (its pooled first token). Chosen and rejected run in one right-padded
+forward; the loss is Bradley-Terry with an optional per-pair margin and reward centering
+(`core/preference.py`). The input is what `rewards.RewardModelScorer` feeds it when it scores PPO
+samples (`examples.reward_input_ids`), so the export is a reward PPO can use as it is
+(`train rlhf --reward model:PATH`) and, for a causal model, a critic to start from
+(`--layout full --critic-model PATH`: trunk and score head). Evaluation: pairwise accuracy and the mean
+reward gap on held-out pairs, and a histogram of the gaps (`reward_gaps.png`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ppoforge.core.preference import bradley_terry_loss
+from ppoforge.errors import UserError
+from ppoforge.lm.models.attention import right_pad
+from ppoforge.lm.supervised.config import RewardConfig
+from ppoforge.lm.supervised.examples import Pair, preference_pairs
+from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
+from ppoforge.lm.supervised.sft import export_model, lora_wrap
+from ppoforge.runtime import distributed
+
+
+class RewardTask:
+    name = "reward"
+    stat_keys = ("accuracy", "gap")  # what `loss` (bradley_terry_loss) returns besides the loss
+    sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
+
+    def __init__(self, cfg: RewardConfig, run_dir: Path):
+        from ppoforge.lm.models.loading import load_reward_model
+        from ppoforge.runtime.precision import make_precision
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.device, self.tokenizer = prepare(cfg)
+        self.train_items, self.eval_items, _, where, drops = load_data(cfg, self.run_dir, self.tokenizer,
+                                                                       preference_pairs)
+        if not self.train_items:
+            raise UserError(f"data: no usable pairs in {where} ({drops.summary(0)}); allowed: rows with chosen "
+                            "and rejected (and prompt)")
+        dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
+        model = load_reward_model(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+        self.model = lora_wrap(model, cfg, "SEQ_CLS") if cfg.layout == "lora" else model.train(False)
+        if cfg.layout == "lora":  # peft keeps the score head trainable (modules_to_save), in fp32
+            for n, p in self.model.named_parameters():
+                if "modules_to_save" in n:
+                    p.data = p.data.float()
+        self._trainable = [(n, p) for n, p in self.model.named_parameters()
+                           if cfg.layout == "full" or "lora_" in n or "modules_to_save" in n]
+        self.causal = is_causal(model.config.model_type)
+        for _, p in self._trainable:
+            p.requires_grad_(True)
+
+    def trainable(self):
+        return self._trainable
+
+    def shard(self, precision: str) -> None:
+        """FSDP2 over the ranks (runtime/fsdp.py): each layer a group, the model (its score head) the root."""
+        from ppoforge.runtime.fsdp import shard_model
+
+        shard_model(self.model, precision)
+        self._trainable = list(self.model.named_parameters())
+        self.sharded = True
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        return self.model
+
+    def release(self) -> None:
+        pass  # every group reshards after its forward
+
+    def size(self, item: Pair) -> int:
+        return max(len(item.chosen), len(item.rejected))
+
+    def units(self, items: list[Pair]) -> torch.Tensor:
+        return torch.tensor(float(len(items)), device=self.device)
+
+    def rewards(self, items: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r_chosen, r_rejected), (B,) fp32 each, from one right-padded forward of both sides."""
+        ids, mask = right_pad([p.chosen for p in items] + [p.rejected for p in items], self.tokenizer.pad_token_id,
+                              self.device)
+        # A causal model needs no padding mask for right-padded rows (its score is read at the last real
+        # token, found from the pad ids, and nothing before it sees the padding): SDPA's causal kernel.
+        scores = self.model(input_ids=ids, **({} if self.causal else {"attention_mask": mask})).logits[:, 0].float()
+        return scores[:len(items)], scores[len(items):]
+
+    def loss(self, items):
+        r_chosen, r_rejected = self.rewards(items)
+        margin = (torch.tensor([p.margin for p in items], device=self.device)
+                  if self.cfg.use_margin and any(p.margin for p in items) else None)
+        return bradley_terry_loss(r_chosen, r_rejected, margin, self.cfg.center_coef)
+
+    def evaluate(self, items) -> dict:
+        gaps = [torch.sub(*self.rewards(items[s:s + self.cfg.micro_batch_size])).float()
+                for s in range(0, len(items), self.cfg.micro_batch_size)]
+        gaps = torch.cat(gaps).tolist() if gaps else []
+        # every rank's (sharded, every rank scored every pair: FSDP's lockstep)
+        gaps = torch.tensor(gaps if self.sharded else distributed.gather_rows(gaps))  # cpu: host floats: plot, float()
+        if distributed.is_main():
+            plot_gaps(gaps, self.run_dir / "reward_gaps.png")
+        return {"eval/accuracy": float((gaps > 0).float().mean()), "eval/gap": float(gaps.mean()),
+                "eval/pairs": len(gaps)}
+
+    def export(self, path: Path) -> None:
+        export_model(self.model, self.tokenizer, path, self.sharded)
+
+
+def is_causal(model_type: str) -> bool:
+    """A decoder-only family (causal attention everywhere); BERT-style encoders, which some causal-LM
+    heads also exist for, are not."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
+    """Histogram of r_chosen - r_rejected over held-out pairs: mass right of 0 is ranked right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.hist(gaps.cpu().numpy(), bins=30, color="tab:blue", alpha=0.8)
+    ax.axvline(0, color="black", lw=1)
+    ax.set_xlabel("reward gap  r(chosen) - r(rejected)")
+    ax.set_ylabel("held-out pairs")
+    ax.set_title(f"accuracy {float((gaps > 0).float().mean()):.1%}, mean gap {float(gaps.mean()):+.2f}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
+    """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
+    trainer = SupervisedTrainer(cfg, run_dir, RewardTask(cfg, run_dir))
+    if resume:
+        trainer.resume()
+    return trainer.run()

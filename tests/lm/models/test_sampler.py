@@ -1,0 +1,189 @@
+"""The KV-cache sampler: stop-token masks, padding, positions, log-prob consistency, sampling law."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from ppoforge.lm.models.attention import causal_mask, position_ids
+from ppoforge.lm.models.decoders import HFDecoder, LlamaDecoder
+from ppoforge.lm.models.logprobs import token_logprobs
+from ppoforge.lm.models.sampler import SamplingParams, _draw, filter_logits, sample
+
+EOS, PAD, VOCAB = 2, 0, 16
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=256, max_position_embeddings=256)
+
+
+class Scripted(torch.nn.Module):
+    """A stand-in causal LM whose step-s logits make token script[b][s] (almost) certain."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.config = Qwen2Config(vocab_size=VOCAB, **SMALL)
+        self.script = torch.tensor(script)
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep, **cache):
+        logits = torch.full((input_ids.shape[0], 1, VOCAB), -30.0)
+        logits[torch.arange(input_ids.shape[0]), 0, self.script[:, self.calls]] = 30.0
+        self.calls += 1
+        return SimpleNamespace(logits=logits)
+
+
+def _prompts(batch=4, width=3):
+    return torch.full((batch, width), 7), torch.ones(batch, width, dtype=torch.long)
+
+
+def test_stop_masks_eos_first_never_and_mid_batch():
+    script = [[EOS, 5, 5, 5, 5, 5], [5, 6, 7, 8, 9, 10], [5, 6, EOS, 9, 9, 9], [5, EOS, EOS, 9, 9, 9]]
+    out = sample(HFDecoder(Scripted(script)), *_prompts(), SamplingParams(6, stop_ids=(EOS,), pad_id=PAD))
+    assert out.response_ids.tolist() == [[EOS, PAD, PAD, PAD, PAD, PAD], [5, 6, 7, 8, 9, 10],
+                                         [5, 6, EOS, PAD, PAD, PAD], [5, EOS, PAD, PAD, PAD, PAD]]
+    assert out.response_mask.tolist() == [[1, 0, 0, 0, 0, 0], [1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]]
+    assert out.finished.tolist() == [True, False, True, True]
+    assert out.logp.dtype == torch.float32
+    assert (out.logp[out.response_mask == 0] == 0).all()           # padding carries no log-prob
+    assert out.logp[out.response_mask == 1].abs().max() < 1e-20 + 1e-6  # the scripted token is certain
+
+
+def test_stops_early_once_every_row_stopped_and_extra_stop_ids():
+    script = [[5, EOS, 5, 5, 5, 5], [11, 5, 5, 5, 5, 5]]
+    model = Scripted(script)
+    out = sample(HFDecoder(model), *_prompts(2), SamplingParams(6, stop_ids=(EOS, 11), pad_id=PAD))
+    assert out.response_ids.tolist() == [[5, EOS], [11, PAD]]
+    assert out.finished.tolist() == [True, True]
+    assert model.calls == 2  # prefill + one decode step; no forward after the last token
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
+
+
+def _left_padded(rows, pad=PAD):
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _recompute(model, ids, mask, resp, resp_mask, tau):
+    """Log-probs of the responses from one full forward, as the trainer computes them."""
+    full, full_mask = torch.cat([ids, resp], 1), torch.cat([mask.float(), resp_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=causal_mask(full_mask),
+                       position_ids=position_ids(full_mask)).logits[:, ids.shape[1] - 1:-1]
+    return token_logprobs(logits, resp, tau, entropy=False)[0] * resp_mask
+
+
+def test_position_ids_count_real_tokens_only():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_sampler_logprobs_equal_recomputation_and_prompts_alone(tiny_model):
+    rows = [[5, 9, 13, 17, 21, 25, 29], [40, 41], [60, 61, 62, 63]]
+    ids, mask = _left_padded(rows)
+    params = SamplingParams(10, temperature=0.7, stop_ids=(EOS,), pad_id=PAD)
+    out = sample(tiny_model, ids, mask, params, torch.Generator().manual_seed(3))
+    batched = _recompute(tiny_model, ids, mask, out.response_ids, out.response_mask, 0.7)
+    torch.testing.assert_close(out.logp, batched, atol=1e-5, rtol=0)  # fp32: KV-cache decode == full forward
+    for i, row in enumerate(rows):  # left padding changes nothing: same log-probs as each prompt alone
+        alone = _recompute(tiny_model, torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long),
+                           out.response_ids[i:i + 1], out.response_mask[i:i + 1], 0.7)
+        torch.testing.assert_close(batched[i:i + 1], alone, atol=1e-5, rtol=0)
+
+
+def test_bf16_sampler_logprobs_close_to_recomputation(tiny_model):
+    ids, mask = _left_padded([[5, 9, 13, 17], [40, 41]])
+    params = SamplingParams(12, temperature=1.0, stop_ids=(EOS,), pad_id=PAD)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sample(tiny_model, ids, mask, params, torch.Generator().manual_seed(0))
+        again = _recompute(tiny_model, ids, mask, out.response_ids, out.response_mask, 1.0)
+    # bf16 rounds the one-token decode steps and the full pass differently; measured max |diff| 1-2e-3
+    assert (out.logp - again).abs().max() < 1e-2
+
+
+def test_same_generator_seed_same_samples(tiny_model):
+    ids, mask = _left_padded([[5, 6, 7], [8, 9]])
+    params = SamplingParams(8, stop_ids=(EOS,), pad_id=PAD)
+    a = sample(tiny_model, ids, mask, params, torch.Generator().manual_seed(1))
+    b = sample(tiny_model, ids, mask, params, torch.Generator().manual_seed(1))
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp, b.logp)
+
+
+def test_filter_top_k_and_top_p_by_hand():
+    z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isfinite(filter_logits(z, 2, 1.0)).tolist() == [[True, True, False, False]]
+    # mass before each token in rank order: 0, .5, .8, .95 -> with top_p .7 keep the first two
+    assert torch.isfinite(filter_logits(z, 0, 0.7)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(filter_logits(z, 0, 0.85)).tolist() == [[True, True, True, False]]
+    assert torch.isfinite(filter_logits(z, 1, 1.0)).tolist() == [[True, False, False, False]]
+
+
+def test_draws_follow_the_temperature_scaled_softmax():
+    n, tau = 40_000, 0.5
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.7])).repeat(n, 1)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    tok, logp = _draw(logits, SamplingParams(1, temperature=tau), u)
+    expected = torch.softmax(logits[0] / tau, -1)  # (0.1^2, 0.2^2, 0.7^2) / 0.54
+    freq = torch.bincount(tok, minlength=3).float() / n
+    torch.testing.assert_close(freq, expected, atol=0.01, rtol=0)
+    torch.testing.assert_close(logp, expected.log()[tok], atol=1e-6, rtol=0)
+    top1, _ = _draw(logits[:100], SamplingParams(1, temperature=tau, top_k=1), u[:100])
+    assert (top1 == 2).all()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama-with-biases"])
+def test_lean_llama_decoder_matches_hf_forward(family):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
+    else:
+        cfg = LlamaConfig(vocab_size=97, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, **SMALL)
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():  # biases are zero-initialized: make them count
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+    ids, mask = _left_padded([[5, 9, 13, 17, 21], [40, 41], [60, 61, 62]])
+    lean, hf = LlamaDecoder(model), HFDecoder(model)
+    with torch.inference_mode():
+        torch.testing.assert_close(lean.prefill(ids, mask, 4)[0], hf.prefill(ids, mask, 4)[0], atol=1e-5, rtol=1e-5)
+        for t, tok in enumerate([[3, 4, 5], [6, 7, 8], [9, 10, 11]]):
+            tok = torch.tensor(tok)
+            torch.testing.assert_close(lean.step(tok, t)[0], hf.step(tok, t)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["fp32-autocast", "bf16"])
+def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weights):
+    from ppoforge.lm.models import decoders
+
+    if not decoders.onednn_packing():
+        pytest.skip("this CPU cannot prepack bf16 weights for oneDNN (needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
+    if weights == "bf16":
+        model = model.to(torch.bfloat16)
+    ids, mask = _left_padded([[5, 9, 13, 17, 21], [40, 41], [60, 61, 62]])
+
+    def decode(packing: bool) -> tuple[list[torch.Tensor], object]:
+        monkeypatch.setattr(decoders, "onednn_packing", lambda: packing)
+        dec = LlamaDecoder(model)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = [*dec.prefill(ids, mask, 3)] + [x for i, t in enumerate([[3, 4, 5], [6, 7, 8]])
+                                                   for x in dec.step(torch.tensor(t), i)]
+        return out, dec.linear
+
+    plain, plain_linear = decode(False)
+    packed, packed_linear = decode(True)
+    assert plain_linear is torch.nn.functional.linear
+    assert packed_linear is decoders._packed_linear
+    assert plain[0].dtype == torch.bfloat16  # the logits: bf16 matmuls
+    for a, b in zip(plain, packed, strict=True):  # logits and final hidden states, per call
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -1,0 +1,336 @@
+"""RLHF PPO trainer on tiny random models: both layouts, exact ratios, accumulation invariance,
+frozen weights, eval mode, exact resume after SIGTERM, and the `train rlhf` CLI."""
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ppoforge.cli import main
+from ppoforge.config import build_config
+from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.rl.trainer import RLHFTrainer, train
+from ppoforge.runtime.metrics import read_metrics
+
+PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "describe the city at night",
+           "a review of a good movie", "tell me about your friend", "the weather today is",
+           "write about the sun", "describe my morning"]
+TRL_METRICS = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+               "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
+               "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/num_eos_tokens", "lr", "episode",
+               "perf/samples_per_s", "perf/tokens_per_s", "perf/generation_share"]
+
+
+def word_reward(prompts, completions, **kwargs):
+    """More words and more 'great' is better: a cheap deterministic reward."""
+    return [0.1 * len(c.split()) + c.count("great") for c in completions]
+
+
+@pytest.fixture
+def cfg_for(tiny_lm_dir, prompts_file):
+    def make(**overrides):
+        values = dict(model=str(tiny_lm_dir), prompts=str(prompts_file), heldout_prompts=None,
+                      max_prompt_tokens=16, max_new_tokens=6, batch_size=4, mini_batch_size=4,
+                      micro_batch_size=2, ppo_epochs=1, total_updates=2, learning_rate=1e-2, device="cpu",
+                      seed=0, torch_threads=1, progress=False, tensorboard=False)
+        return build_config(RLHFConfig, {**values, **overrides})
+    return make
+
+
+def _snapshot(named):
+    return {n: p.detach().clone() for n, p in named}
+
+
+def _frozen(trainer):
+    """(name, tensor) of weights that must never change: LoRA base weights, or the full reference."""
+    layout = trainer.layout
+    if trainer.cfg.layout != "full":
+        return [(n, p) for n, p in layout.peft.named_parameters() if "lora_" not in n]
+    return list(layout.reference.named_parameters())
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(layout="lora"),
+    # zero value head -> critic LoRA B -> critic LoRA A: gradients reach A from the third step on
+    dict(layout="lora-critic", kl_estimator="k3", kl_target=0.01, kl_horizon=10, mini_batch_size=2),
+    dict(layout="full", learning_rate=1e-3),
+], ids=["lora", "lora-critic-adaptive-k3", "full"])
+def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, overrides):
+    cfg = cfg_for(heldout_prompts=None, tensorboard=True, **overrides)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
+    trainable, frozen = _snapshot(trainer.layout.named_trainable()), _snapshot(_frozen(trainer))
+    result = trainer.run()
+    assert result.updates == 2 and result.stopped_by is None
+    for name, p in trainer.layout.named_trainable():
+        assert not torch.equal(p, trainable[name]), f"{name} did not train"
+    for name, p in _frozen(trainer):
+        assert torch.equal(p, frozen[name]), f"frozen {name} changed"
+
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in TRL_METRICS:
+        assert all(isinstance(r[key], float | int) and math.isfinite(r[key]) for r in rows), key
+    if cfg.kl_target:
+        assert rows[1]["objective/kl_coef"] != rows[0]["objective/kl_coef"]
+    table = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(table) == 8 and {"step", "prompt", "completion", "score"} <= set(table[0])
+    assert (tmp_path / "reward_kl.png").is_file() and list((tmp_path / "tb").iterdir())
+
+    # the exported policy (LoRA merged) computes the trainer's policy logits
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    mask = torch.ones(1, 6)
+    with torch.no_grad():
+        ours = trainer.layout.logits(trainer.layout.forward(ids, mask, 3)[0])
+        theirs = exported(input_ids=ids).logits[:, -4:-1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["lora", "full"])
+def test_modules_stay_in_eval_mode_with_dropout_off(cfg_for, tmp_path, layout):
+    trainer = RLHFTrainer(cfg_for(layout=layout), tmp_path, reward_fn=word_reward)
+    trainer.train_one_update()
+    models = [trainer.layout.policy_model, trainer.layout.value_head]
+    if layout == "full":
+        models += [trainer.layout.reference, trainer.layout.critic]
+    for model in models:
+        assert not any(m.training for m in model.modules())
+        assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def _fast_and_plain(trainer):
+    """A fresh rollout's (old logp, values, ref logp) from the fast path and from training forwards."""
+    ids, prompt_mask, samples = trainer.generate(trainer.parts.prompt_ids[:4], torch.Generator().manual_seed(0))
+    mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
+    sc = trainer.scoring
+    with torch.inference_mode(), trainer.precision.autocast():
+        ref_fast = sc.layout.fast_ref_forward or sc.layout.ref_forward
+        fast = (*sc._policy_fast(ids, mask, samples), sc._reference(ids, mask, samples, ref_fast))
+        plain = (*sc._policy_plain(ids, mask, samples), sc._reference(ids, mask, samples, sc.layout.ref_forward))
+    return fast, plain, samples
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["lora", "lora-critic", "full"])
+def test_update_one_is_exactly_on_policy_and_at_the_reference(cfg_for, tmp_path, layout, precision, attn):
+    """Before any update the policy is the sampler's and the reference: the first mini-batch's ratio is
+    exactly 1 and the KL exactly 0, on every layout, precision and attention. `old_logprobs: auto` uses
+    the fast path's numbers only where a check found them bit-identical to the training forward (else
+    it recomputes them), and after an update (LoRA B != 0, value head != 0) that finding still holds."""
+    cfg = cfg_for(layout=layout, precision=precision, attn_implementation=attn,
+                  learning_rate=1e-3 if layout == "full" else 1e-2)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
+    assert trainer.policy_attention() == attn and trainer.scoring.fast_policy is None
+    metrics, _ = trainer.train_one_update()  # 1 epoch, 1 mini-batch: the first forward sees the old policy
+    assert metrics["val/ratio"] == 1 and metrics["policy/approxkl_avg"] == 0
+    assert metrics["policy/clipfrac_avg"] == 0 and metrics["objective/kl"] == 0
+    fast_policy, fast_ref = trainer.scoring.fast_policy, trainer.scoring.fast_reference
+    assert fast_policy in (True, False) and fast_ref in (True, False)  # decided on the first rollout
+    if precision == "bf16" and attn == "eager":  # where the kernels agree (torch 2.6 and 2.13 on CPU)
+        assert fast_policy and fast_ref == (layout != "full")
+    (logp, values, ref), (p_logp, p_values, p_ref), samples = _fast_and_plain(trainer)
+    assert p_values.abs().max() > 0  # the value head trained: values are not trivially equal
+    m = samples.response_mask
+    if fast_policy:
+        assert torch.equal(logp * m, p_logp * m) and torch.equal(values * m, p_values * m), "trusted, now off"
+    if fast_ref:
+        assert torch.equal(ref * m, p_ref * m)
+    tol = {"atol": 1e-2 if precision == "bf16" else 1e-5, "rtol": 0}  # either way: the same policy
+    for f, p in ((logp, p_logp), (values, p_values), (ref, p_ref)):
+        torch.testing.assert_close(f * m, p * m, **tol)
+
+
+def test_auto_falls_back_to_recomputing_when_the_sampler_is_off(cfg_for, tmp_path, capsys):
+    trainer = RLHFTrainer(cfg_for(precision="bf16"), tmp_path, reward_fn=word_reward)
+    fast = trainer.scoring._policy_fast
+    trainer.scoring._policy_fast = lambda *a: (lambda logp, v: (logp + 1e-4, v))(*fast(*a))
+    metrics, _ = trainer.train_one_update()
+    assert trainer.scoring.fast_policy is False and trainer.scoring.fast_reference is True
+    assert metrics["val/ratio"] == 1 and metrics["objective/kl"] == 0
+    err = capsys.readouterr().err
+    assert err.count("the fast policy path differs from the training forward (log-probs by up to 0.0001)") == 1
+    trainer.train_one_update()
+    assert "differs" not in capsys.readouterr().err  # said once
+
+
+@pytest.mark.parametrize("mode", ["sampler", "recompute"])
+def test_old_logprobs_sampler_and_recompute_are_taken_as_asked(cfg_for, tmp_path, mode):
+    trainer = RLHFTrainer(cfg_for(old_logprobs=mode), tmp_path, reward_fn=word_reward)
+    calls = {"_policy_fast": 0, "_policy_plain": 0}
+    for name in calls:
+        method = getattr(trainer.scoring, name)
+        setattr(trainer.scoring, name, lambda *a, name=name, method=method: calls.__setitem__(
+            name, calls[name] + 1) or method(*a))
+    trainer.train_one_update()
+    assert calls == ({"_policy_fast": 1, "_policy_plain": 0} if mode == "sampler"
+                     else {"_policy_fast": 0, "_policy_plain": 1})
+    assert trainer.scoring.fast_reference == (mode == "sampler")
+
+
+@pytest.mark.parametrize("decoder", ["lean", "hf"])
+def test_decoder_choice(cfg_for, tmp_path, decoder):
+    from ppoforge.lm.models.decoders import HFDecoder, LlamaDecoder
+
+    trainer = RLHFTrainer(cfg_for(decoder=decoder), tmp_path, reward_fn=word_reward)
+    with trainer.layout.decoder() as d:
+        assert isinstance(d, LlamaDecoder if decoder == "lean" else HFDecoder)
+    assert (trainer.layout.fast_ref_forward is None) == (decoder == "hf")
+    metrics, _ = trainer.train_one_update()
+    assert metrics["val/ratio"] == 1 and metrics["objective/kl"] == 0
+
+
+def test_tokenizer_field_with_bare_model_and_reward_checkpoints(cfg_for, tmp_path, tiny_lm_dir,
+                                                               tiny_reward_model_dir, split_checkpoint):
+    model_dir, tok_dir = split_checkpoint(tiny_lm_dir, tmp_path / "policy")
+    reward_dir, _ = split_checkpoint(tiny_reward_model_dir, tmp_path / "reward")
+    cfg = cfg_for(model=str(model_dir), tokenizer=str(tok_dir), reward=f"model:{reward_dir}")
+    trainer = RLHFTrainer(cfg, tmp_path / "run")
+    assert trainer.tokenizer.chat_template  # the tokenizer folder's, with its chat template
+    metrics, table = trainer.train_one_update()
+    assert len(table) == 4 and all(isinstance(r["score"], float) and math.isfinite(r["score"]) for r in table)
+
+
+def _grads_and_params_after_one_update(cfg, run_dir):
+    """One update with plain SGD (Adam's first step is ~sign(g), which amplifies rounding)."""
+    trainer = RLHFTrainer(cfg, run_dir, reward_fn=word_reward)
+    trainer.optimizer = torch.optim.SGD(trainer.params, lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # LoRA B and the value head start at 0: give every trainable a gradient path
+        for name, p in trainer.layout.named_trainable():
+            if "lora_B" in name or name.startswith("value_head"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    captured = {}
+    clip = trainer.precision.clip
+
+    def capture(optimizer, params, max_grad_norm):  # the mini-batch's gradients, before the step
+        captured.update({n: p.grad.clone() for n, p in trainer.layout.named_trainable() if p.grad is not None})
+        return clip(optimizer, params, max_grad_norm)
+
+    trainer.precision.clip = capture
+    trainer.train_one_update()
+    return captured, _snapshot(trainer.layout.named_trainable())
+
+
+@pytest.mark.parametrize("layout", ["lora", "lora-critic", "full"])
+def test_accumulation_invariance_and_gradient_checkpointing(cfg_for, tmp_path, layout):
+    # micro-batch 8 x accumulation 1 == micro-batch 1 x accumulation 8 (== with activation recomputation)
+    # ragged responses (90 of the ~630 tokens stop one): with equal lengths a per-micro-batch mean would pass too
+    base = dict(layout=layout, batch_size=8, mini_batch_size=8, max_grad_norm=1e6, max_new_tokens=12,
+                stop_tokens=",".join(map(str, range(10, 100))))
+    g_big, p_big = _grads_and_params_after_one_update(cfg_for(micro_batch_size=8, **base), tmp_path / "a")
+    g_small, p_small = _grads_and_params_after_one_update(cfg_for(micro_batch_size=1, **base), tmp_path / "b")
+    g_ckpt, _ = _grads_and_params_after_one_update(
+        cfg_for(micro_batch_size=2, gradient_checkpointing=True, **base), tmp_path / "c")
+    assert g_big.keys() == g_small.keys() == g_ckpt.keys() and len(g_big) > 0
+    assert all(g.abs().max() > 0 for g in g_big.values())  # the critic adapter's too
+    for name in g_big:
+        torch.testing.assert_close(g_small[name], g_big[name], atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(g_ckpt[name], g_big[name], atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(p_small[name], p_big[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("where", ["reward", "between"])
+def test_resume_after_sigterm_matches_uninterrupted_run(cfg_for, tmp_path, where):
+    """SIGTERM inside a reward call abandons that update at once (the checkpoint holds the one before);
+    SIGTERM elsewhere (here: in the KL controller, after the rewards) finishes the update. Either way
+    the resumed run equals the uninterrupted one."""
+    cfg = cfg_for(total_updates=4, ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, checkpoint_every=10)
+    train(cfg, tmp_path / "full", reward_fn=word_reward)
+    calls = []
+
+    def reward_then_sigterm(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 and where == "reward":  # during update 2's reward call
+            os.kill(os.getpid(), signal.SIGTERM)
+        return word_reward(prompts, completions)
+
+    trainer = RLHFTrainer(cfg, tmp_path / "split", reward_fn=reward_then_sigterm)
+    if where == "between":
+        update_kl = trainer.kl_ctl.update
+        trainer.kl_ctl.update = lambda *a: (len(calls) == 2 and os.kill(os.getpid(), signal.SIGTERM), update_kl(*a))
+    stopped = trainer.run()
+    assert stopped.stopped_by == "SIGTERM" and stopped.updates == (1 if where == "reward" else 2)
+    assert not (tmp_path / "split" / "policy").exists()  # no export for an unfinished run
+    resumed = train(cfg, tmp_path / "split", resume=True, reward_fn=word_reward)
+    assert resumed.updates == 4
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+    assert strip(read_metrics(tmp_path / "split" / "metrics.jsonl")) == \
+        strip(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["trainable"]
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)["trainable"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _cli(capsys, *args):
+    code = main(["train", "rlhf", *args])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_cli_trains_and_resumes(tiny_lm_dir, prompts_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["--model", str(tiny_lm_dir), "--prompts", str(prompts_file), "--reward", "length:4",
+              "--heldout-prompts", str(prompts_file), "--batch-size", "4", "--mini-batch-size", "4",
+              "--micro-batch-size", "2", "--max-new-tokens", "4", "--progress", "false", "--tensorboard",
+              "false"]
+    code, err = _cli(capsys, "--preset", "tiny", "--total-updates", "1", "--run-dir", str(run), *common)
+    assert code == 0, err
+    assert (run / "policy" / "config.json").is_file()
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [r.get("eval/scores") is not None for r in metrics] == [True, False, True]
+    # held-out: every prompt sampled heldout_samples (default 4) times, before and after; eval/scores is their mean
+    heldout = [r for r in map(json.loads, (run / "completions.jsonl").read_text().splitlines())
+               if r["split"] == "heldout"]
+    assert len(heldout) == 2 * len(PROMPTS) * 4
+    before = [r for r in heldout if r["step"] == 0]
+    assert sorted(r["sample"] for r in before) == sorted(list(range(4)) * len(PROMPTS))
+    assert metrics[0]["eval/scores"] == pytest.approx(sum(r["score"] for r in before) / len(before))
+    code, err = _cli(capsys, "--resume", str(run), "--total-updates", "2")
+    assert code == 0, err
+    assert read_metrics(run / "metrics.jsonl")[-2]["step"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "preset: no built-in preset 'nope'"),
+    (["--mini-batch-size", "3"], "mini_batch_size: 3 does not divide batch_size"),
+    (["--layout", "both"], "layout: 'both' is not allowed"),
+    (["--temperature", "0"], "temperature: 0.0 is out of range"),
+    (["--model", "/no/such/model"], "model: no model at /no/such/model"),
+    (["--critic-model", "/x", "--layout", "lora-critic"], "critic_model: only the full layout"),
+    (["--decoder", "fast"], "decoder: 'fast' is not allowed; allowed: auto, lean, hf"),
+    (["--resume", "/no/such/run"], "no config.yaml in run dir"),
+])
+def test_cli_errors_are_one_line_exit_2(capsys, tmp_path, args, message):
+    run_dir = [] if "--resume" in args else ["--run-dir", str(tmp_path / "r")]
+    code, err = _cli(capsys, *run_dir, *args)
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_gradient_checkpointing_recomputes_layers_in_backward(tiny_lm_dir, enabled):
+    from ppoforge.lm.models.layouts import build_lora
+    from ppoforge.lm.models.loading import load_causal_lm
+
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir)), 4, 8, "all-linear", False, enabled)
+    calls = []
+    layout.policy_model.base_model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    hidden, values = layout.forward(torch.randint(3, 50, (2, 8)), torch.ones(2, 8), 4)
+    (layout.logits(hidden).sum() + values.sum()).backward()
+    assert len(calls) == (2 if enabled else 1)
+    assert all(not m.training for m in layout.policy_model.base_model.layers[0].modules()
+               if m is not layout.policy_model.base_model.layers[0])  # only the layer's own flag is set
+
+
+def test_eos_penalty_reward_sees_which_completions_ran_out(cfg_for, tmp_path):
+    trainer = RLHFTrainer(cfg_for(reward="eos_penalty:2.5", max_new_tokens=2), tmp_path)
+    _, table = trainer.train_one_update()  # 2 new tokens: almost every completion runs out
+    assert {r["score"] for r in table} <= {0.0, -2.5} and any(r["score"] == -2.5 for r in table)
