@@ -2,19 +2,24 @@
 
 The trainers split work whose result does not depend on the split — accumulated micro-batches
 (weighted by their token shares, `core/accumulation.py`) and generation (each row draws its own
-pre-drawn uniforms) — so on an OOM they can redo the step in halves instead of dying. `is_oom`
-recognises CUDA's `OutOfMemoryError` and the CPU allocator's "can't allocate memory"; `halve` frees
-what the failed attempt held and returns the smaller size, or raises a Fault when one row does not fit.
+pre-drawn uniforms) — so on an OOM they can redo the step in halves instead of dying. `retry_halving`
+is that loop, the one the trainers call: `is_oom` recognises CUDA's `OutOfMemoryError` and the CPU
+allocator's "can't allocate memory"; `halve` frees what the failed attempt held and returns the smaller
+size, or raises a Fault when one row does not fit.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from ppoforge.errors import Fault
+
+T = TypeVar("T")
 
 
 def is_oom(e: BaseException) -> bool:
@@ -36,3 +41,16 @@ def halve(size: int, what: str, e: BaseException) -> int:
     print(f"ppoforge: out of memory at {what} {size}: continuing with {smaller} (the same math, more steps)",
           file=sys.stderr)
     return smaller
+
+
+def retry_halving(attempt: Callable[[int], T], size: int, what: str, retry: bool = True) -> tuple[T, int]:
+    """`attempt(size)`, and on an out-of-memory `attempt(size // 2)`, ... until it fits; (its result, the
+    size that fit). `retry=False` (a sharded step, where a rank alone redoing it would break the
+    lockstep): the OOM goes on unchanged."""
+    while True:
+        try:
+            return attempt(size), size
+        except Exception as e:
+            if not is_oom(e) or not retry:
+                raise
+            size = halve(size, what, e)

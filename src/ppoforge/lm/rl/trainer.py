@@ -54,7 +54,7 @@ from ppoforge.runtime import distributed, trust
 from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
-from ppoforge.runtime.oom import halve, is_oom
+from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
 from ppoforge.runtime.timeouts import call_with_timeout
@@ -215,16 +215,10 @@ class RLHFTrainer:
         uniforms = draw_uniforms(self.sampling, n_global or prompt_ids.shape[0], generator)[:, cols]
         # entered once, retries inside: sharded, entering gathers the policy (a collective)
         with self.layout.decoder() as decoder, self.precision.autocast():
-            while True:
-                try:
-                    parts = [sample(decoder, prompt_ids[s:s + self.gen_batch], prompt_mask[s:s + self.gen_batch],
-                                    self.sampling, uniforms=uniforms[:, s:s + self.gen_batch])
-                             for s in range(0, prompt_ids.shape[0], self.gen_batch)]
-                    break
-                except Exception as e:
-                    if not is_oom(e):
-                        raise
-                    self.gen_batch = halve(self.gen_batch, "generation batch", e)
+            parts, self.gen_batch = retry_halving(
+                lambda n: [sample(decoder, prompt_ids[s:s + n], prompt_mask[s:s + n], self.sampling,
+                                  uniforms=uniforms[:, s:s + n]) for s in range(0, prompt_ids.shape[0], n)],
+                self.gen_batch, "generation batch")
         samples = concat_samples(parts, self.sampling.pad_id)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
@@ -354,17 +348,15 @@ class RLHFTrainer:
         mb_units, mb_tokens = self.agg.units(mb_mask), mb_mask.sum()
         if distributed.collectives():  # all ranks' units, before any backward: the single-process loss weights
             mb_units, mb_tokens = distributed.all_sum(torch.stack([mb_units, mb_tokens]))
-        while True:
+        def attempt(n: int) -> torch.Tensor:
             self.optimizer.zero_grad(set_to_none=True)
             if mb.numel() == 0:  # this rank holds none of the mini-batch's rows: its gradient is 0
                 return b.resp_mask.new_zeros(1 + len(self.loss_keys) + len(self.token_keys))
-            try:
-                with self.precision.weight_cache():
-                    return sum(self._micro_batch(b, micro, mb_units, mb_tokens) for micro in mb.split(self.micro_batch))
-            except Exception as e:
-                if not is_oom(e) or self.sharded:  # sharded: a rank alone redoing it would break the lockstep
-                    raise
-                self.micro_batch = halve(self.micro_batch, "micro-batch", e)
+            with self.precision.weight_cache():
+                return sum(self._micro_batch(b, micro, mb_units, mb_tokens) for micro in mb.split(n))
+
+        totals, self.micro_batch = retry_halving(attempt, self.micro_batch, "micro-batch", retry=not self.sharded)
+        return totals
 
     def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_units: torch.Tensor, mb_tokens: torch.Tensor
                      ) -> torch.Tensor:

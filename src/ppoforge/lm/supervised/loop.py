@@ -35,7 +35,7 @@ from ppoforge.runtime import distributed, trust
 from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, truncate_metrics
-from ppoforge.runtime.oom import halve, is_oom
+from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
@@ -183,26 +183,24 @@ class SupervisedTrainer:
         # backward are collectives); a rank's extra ones are a real item weighted 0
         most = math.ceil(len(items) / self.world.size) if self.sharded else len(mine)  # uneven_shard's largest
         scale = self.world.size if self.sharded else 1  # FSDP averages the ranks' gradients: x world sums them
-        while True:
-            n_micro = math.ceil(most / self.micro_batch)
+
+        def attempt(n: int) -> tuple[torch.Tensor, dict]:
             self.optimizer.zero_grad(set_to_none=True)
-            try:
-                loss_sum, stats = torch.zeros((), device=self.task.device), {}
-                with self.precision.weight_cache():
-                    for s in range(0, n_micro * self.micro_batch, self.micro_batch):
-                        micro = mine[s:s + self.micro_batch]
-                        share = token_share(self.task.units(micro).reshape(1), total) if micro else 0.0
-                        with self.precision.autocast():
-                            loss, mb_stats = self.task.loss(micro or items[:1])
-                        self.precision.backward(loss * share * scale)
-                        loss_sum += share * loss.detach()
-                        for k, v in mb_stats.items():
-                            stats[k] = stats.get(k, 0) + share * v
-                return loss_sum, stats
-            except Exception as e:
-                if not is_oom(e) or self.sharded:  # sharded: a rank alone redoing it would break the lockstep
-                    raise
-                self.micro_batch = halve(self.micro_batch, "micro-batch", e)
+            loss_sum, stats = torch.zeros((), device=self.task.device), {}
+            with self.precision.weight_cache():
+                for s in range(0, math.ceil(most / n) * n, n):
+                    micro = mine[s:s + n]
+                    share = token_share(self.task.units(micro).reshape(1), total) if micro else 0.0
+                    with self.precision.autocast():
+                        loss, mb_stats = self.task.loss(micro or items[:1])
+                    self.precision.backward(loss * share * scale)
+                    loss_sum += share * loss.detach()
+                    for k, v in mb_stats.items():
+                        stats[k] = stats.get(k, 0) + share * v
+            return loss_sum, stats
+
+        result, self.micro_batch = retry_halving(attempt, self.micro_batch, "micro-batch", retry=not self.sharded)
+        return result
 
     def _all_reduced(self, loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
         """The ranks' gradients, loss and stats summed (each already weighted by its share of the batch)
