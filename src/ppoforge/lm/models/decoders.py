@@ -338,7 +338,7 @@ class LlamaDecoder:
     @torch.no_grad()
     def base_hidden(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
         """The frozen base's (adapters off) last hidden states (B, T, H) at the positions that predict
-        the T response tokens of ids (B, P + T): what `policy.response_hidden` returns for the base
+        the T response tokens of ids (B, P + T): what `parts.response_hidden` returns for the base
         model, here through the weights the sampler prepared (the LoRA layout's reference pass)."""
         batch, n = ids.shape
         x, dtype = self._embed_and_prepare(ids)

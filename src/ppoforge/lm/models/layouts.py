@@ -20,7 +20,7 @@ on per decoder layer without putting any module in training mode.
 
 Each layout has a plain path (Hugging Face modules) and, where `decoder` allows it, the lean decoder as
 an accelerator for sampling and for the LoRA reference pass (`fast_ref_forward`); the trainer checks
-once that the accelerator equals the plain path before it trusts it (see `trainer.RLHFTrainer`).
+once that the accelerator equals the plain path before it trusts it (see lm/rl/trainer.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from peft import LoraConfig
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ppoforge.errors import UserError
 from ppoforge.lm.models.decoders import Decoder, HFDecoder, LlamaDecoder, is_llama_family
@@ -44,12 +46,17 @@ from ppoforge.lm.models.parts import (
     ValueHead,
     base_linear_params,
     enable_gradient_checkpointing,
+    export_model,
     freeze,
+    lora_config,
+    lora_wrap,
     merged_lora,
     policy_adapter,
     response_hidden,
     yielding,
 )
+from ppoforge.runtime import distributed
+from ppoforge.runtime.fsdp import default_mesh, full_weights, mp_policy, reshard, shard_model
 
 
 class Layout(Protocol):
@@ -90,15 +97,9 @@ class LoraLayout:
 
     sharded = False  # replicated under torchrun: the trainer all-reduces the adapters' gradients
 
-    def __init__(self, base: nn.Module, r: int, alpha: float, target_modules: str | list[str],
-                 critic_adapter: bool = False, decoder: str = "auto", critic: bool = True):
-        from peft import LoraConfig, get_peft_model
-
-        freeze(base)
-        lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules, bias="none")
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.simplefilter("ignore", FutureWarning)
-            self.peft = get_peft_model(base, lora).eval()
+    def __init__(self, base: nn.Module, lora: LoraConfig, critic_adapter: bool = False, decoder: str = "auto",
+                 critic: bool = True):
+        self.peft = lora_wrap(base, lora)
         self.critic_adapter = critic_adapter
         if critic_adapter:
             self.peft.add_adapter("critic", lora)
@@ -198,13 +199,8 @@ class LoraLayout:
         return self._trainable
 
     def export(self, path: Path) -> None:
-        """save_pretrained of base + policy adapter merged in fp32, from a copy (the live model stays as
-        it is). fp32 even over a bf16 base: rounding W + s * B @ A to bf16 loses a small delta (65 % of
-        the demo's trained adapter, measured), so a bf16 export would not be the policy that trained."""
-        merged = copy.deepcopy(self.peft).float()
-        if self.critic_adapter:
-            merged.delete_adapter("critic")
-        merged.merge_and_unload().save_pretrained(path)
+        """save_pretrained of base + policy adapter merged in fp32, from a copy (`parts.export_model`)."""
+        export_model(self.peft, path, drop_adapters=("critic",) if self.critic_adapter else ())
 
     def release(self) -> None:
         pass
@@ -243,11 +239,6 @@ class FullLayout:
         `precision` fp32 or bf16: bf16 gathers bf16 weights (compute in bf16), reduces gradients in fp32
         and keeps fp32 master shards; the reference, stored in bf16 then, computes what the policy
         computes, so their KL is 0 before the first update. Replicas start equal (rank 0's weights)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from ppoforge.runtime import distributed
-        from ppoforge.runtime.fsdp import default_mesh, mp_policy, shard_model
-
         if not self.lean:
             raise UserError(f"fsdp: needs the lean decoder (a Llama-family model: llama, qwen2), which decodes "
                             f"from gathered weights; this is a {self.policy_model.config.model_type}; allowed: "
@@ -268,8 +259,6 @@ class FullLayout:
 
     def release(self) -> None:
         if self.sharded:
-            from ppoforge.runtime.fsdp import reshard
-
             reshard(self.policy)
             if self.reference is not None:
                 reshard(self.reference)
@@ -293,14 +282,12 @@ class FullLayout:
 
     @contextlib.contextmanager
     def _gathered_decoder(self):
-        from ppoforge.runtime.fsdp import full_weights
-
         with full_weights(self.policy):
             yield LlamaDecoder(self.policy_model)
 
     def forward(self, ids, mask, n_resp):
         values = None if self.critic is None else self.critic(ids, mask, n_resp)
-        return self.policy(ids, mask, n_resp), values
+        return self.policy.response_hidden(ids, mask, n_resp), values
 
     def values(self, ids, mask, n_resp):
         return self.critic(ids, mask, n_resp)
@@ -312,7 +299,7 @@ class FullLayout:
         return self.policy_model.get_output_embeddings()(hidden)
 
     def ref_forward(self, ids, mask, n_resp):
-        return self.reference(ids, mask, n_resp)
+        return self.reference.response_hidden(ids, mask, n_resp)
 
     def ref_logits(self, hidden):
         return self.reference.lm.get_output_embeddings()(hidden)
@@ -321,22 +308,14 @@ class FullLayout:
         return self._trainable
 
     def export(self, path: Path) -> None:
-        if not self.sharded:
-            self.policy_model.save_pretrained(path)
-            return
-        from ppoforge.runtime import distributed
-        from ppoforge.runtime.fsdp import full_state_dict
-
-        state = full_state_dict(self.policy_model)  # collective
-        if distributed.is_main():
-            self.policy_model.save_pretrained(path, state_dict=state)
+        """save_pretrained of the policy; sharded, gathered by every rank and written by rank 0."""
+        export_model(self.policy_model, path, sharded=self.sharded)
 
 
 def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, critic_adapter: bool = False,
                gradient_checkpointing: bool = False, decoder: str = "auto", critic: bool = True) -> LoraLayout:
     """LoRA layout over an already loaded causal LM (it is frozen in place); `critic=False`: no value head."""
-    targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
-    layout = LoraLayout(base, r, alpha, targets, critic_adapter, decoder, critic)
+    layout = LoraLayout(base, lora_config(r, alpha, target_modules), critic_adapter, decoder, critic)
     if gradient_checkpointing:
         enable_gradient_checkpointing(layout.policy_model, layout.recompute_with_the_same_adapter)
     return layout

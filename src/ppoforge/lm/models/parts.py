@@ -1,18 +1,161 @@
-"""Model parts the layouts (lm/models/layouts.py) and the supervised trainers share: the value head, the
-trunks (a causal LM's hidden states as one module call, which FSDP2's root group needs), gradient
-checkpointing that keeps every module in eval mode, LoRA merged for decoding, and dtype casting.
+"""Model parts the layouts (lm/models/layouts.py) and the supervised trainers (lm/supervised/) share, each
+once: LoRA adapters on a frozen base (`lora_config`, `lora_wrap`), the export (`export_model`: LoRA merged
+in fp32 into a copy, or an FSDP2 model gathered), the trunks (a causal LM's hidden states as one module
+call, which FSDP2's root group needs), the value head, gradient checkpointing that keeps every module in
+eval mode, LoRA merged for decoding, and dtype casting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
+from pathlib import Path
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.runtime import distributed
+from ppoforge.runtime.fsdp import full_state_dict
+
+
+# ---- LoRA on a frozen base ---------------------------------------------------------------------------
+def freeze(module: nn.Module) -> nn.Module:
+    """No gradients, eval mode (no dropout); `module` itself, in place."""
+    module.requires_grad_(False)
+    return module.eval()
+
+
+def lora_config(r: int, alpha: float, target_modules: str, task_type: str | None = None) -> LoraConfig:
+    """Plain LoRA (no dropout, no bias) on every Linear (`all-linear`) or on the comma-separated module
+    names. `task_type` picks peft's model class: `CAUSAL_LM` (SFT), `SEQ_CLS` (a reward model: its score
+    head trains in full too), None (the RLHF layouts: the plain PeftModel)."""
+    targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none",
+                      task_type=task_type)
+
+
+def lora_wrap(model: nn.Module, lora: LoraConfig) -> PeftModel:
+    """`model` frozen in place (requires_grad off, eval mode) with `lora`'s adapters ("default") injected;
+    the PeftModel, in eval mode. The adapters' A matrices are drawn from torch's global RNG, module by
+    module: what is drawn before this call decides them."""
+    freeze(model)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, lora).eval()
+
+
+def base_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a Linear; for a LoRA Linear, its frozen base layer's."""
+    base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+    return base.weight, base.bias
+
+
+def policy_adapter(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the policy's adapter ("default") on a LoRA Linear, else None."""
+    if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+        return None
+    return module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
+
+
+@contextlib.contextmanager
+def merged_lora(peft_model: nn.Module, adapter: str = "default"):
+    """Decode with base + adapter merged into temporary weights: one matmul per adapted layer instead of
+    three, ~40% of a small model's decode step. Only for an fp32 base (in bf16 the merge's rounding
+    swallows small adapter deltas). The base weight objects are swapped out and back, never modified,
+    so the frozen base (and with it the reference) cannot drift by merge/unmerge rounding."""
+    swaps = []
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                base = module.get_base_layer()
+                merged = (base.weight.float() + module.get_delta_weight(adapter).float()).to(base.weight.dtype)
+                swaps.append((base, base.weight, nn.Parameter(merged, requires_grad=False)))
+    with peft_model.disable_adapter():
+        for base, _, merged in swaps:
+            base.weight = merged
+        try:
+            yield
+        finally:
+            for base, original, _ in swaps:
+                base.weight = original
+
+
+@contextlib.contextmanager
+def yielding(context, value):
+    with context:
+        yield value
+
+
+# ---- export ------------------------------------------------------------------------------------------
+def export_model(model: nn.Module, path: Path, tokenizer=None, sharded: bool = False,
+                 drop_adapters: tuple[str, ...] = ()) -> None:
+    """save_pretrained of `model` (and `tokenizer`): a folder `from_pretrained` loads as it is.
+
+    A PeftModel is merged (base + its adapter) into a copy, the live model left as it is, and in fp32 even
+    over a bf16 base: rounding W + s * B @ A to bf16 loses a small delta (65 % of the demo's trained
+    adapter, measured), so a bf16 export would not be the model that trained. `drop_adapters` (the
+    lora-critic layout's "critic") are deleted from the copy first. `sharded` (FSDP2): collective, every
+    rank gathers the weights with the others and rank 0 writes them."""
+    if sharded:
+        state = full_state_dict(model)  # collective
+        if distributed.is_main():
+            model.save_pretrained(path, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        return
+    if isinstance(model, PeftModel):
+        model = copy.deepcopy(model).float()
+        for name in drop_adapters:
+            model.delete_adapter(name)
+        model = model.merge_and_unload()
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+# ---- trunks and the value head -------------------------------------------------------------------------
+def causal_inputs(ids: torch.Tensor, mask: torch.Tensor, backbone: nn.Module) -> dict:
+    """A Hugging Face forward's keyword arguments for left-padded ids (B, L) and their 0/1 mask (B, L): the
+    4D causal mask over real keys (`backbone`'s attention decides its form), positions of real tokens, no
+    KV cache."""
+    return {"input_ids": ids, "attention_mask": as_attention_bias(causal_mask(mask), backbone),
+            "position_ids": position_ids(mask), "use_cache": False}
+
+
+def response_positions(hidden: torch.Tensor, n_resp: int) -> torch.Tensor:
+    """(B, P + T, H) -> (B, T, H): the positions that predict the T response tokens."""
+    # contiguous: a strided 3D input makes matmul fall back to bmm over a (B, H, V) copy of the LM head
+    return hidden[:, -n_resp - 1:-1].contiguous()
+
+
+def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+    """Last hidden states (B, T, H) at the positions that predict the T response tokens of (B, P + T);
+    `backbone` is a Hugging Face base model (`lm.base_model`)."""
+    return response_positions(backbone(**causal_inputs(ids, mask, backbone)).last_hidden_state, n_resp)
+
+
+class Trunk(nn.Module):
+    """A causal LM's last hidden states (B, L, H) as one module call, for its LM head to read: the full
+    layout's policy and reference, and the supervised model. Under FSDP2 it is the root group (embeddings,
+    final norm, LM head): calling `lm.base_model` directly would bypass the root's hooks, so its weights
+    would stay shards; the root stays gathered after the call (`shard_model(reshard_root=False)`) for the
+    LM head that runs on its output."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **inputs) -> torch.Tensor:
+        return self.lm.base_model(**inputs).last_hidden_state
+
+    def response_hidden(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+        """`response_hidden` through this module's call (so FSDP2's hooks run)."""
+        return response_positions(self(**causal_inputs(ids, mask, self.lm.base_model)), n_resp)
 
 
 class ValueHead(nn.Module):
@@ -42,24 +185,6 @@ class ValueHead(nn.Module):
         with torch.autocast(hidden.device.type, enabled=False):
             return nn.functional.linear(hidden.float(), self.linear.weight, self.linear.bias).squeeze(-1)
 
-def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
-    """Last hidden states (B, T, H) at the positions that predict the T response tokens of (B, P + T)."""
-    out = backbone(input_ids=ids, attention_mask=as_attention_bias(causal_mask(mask), backbone),
-                   position_ids=position_ids(mask), use_cache=False)
-    # contiguous: a strided 3D input makes matmul fall back to bmm over a (B, H, V) copy of the LM head
-    return out.last_hidden_state[:, -n_resp - 1:-1].contiguous()
-
-class Trunk(nn.Module):
-    """A causal LM's response hidden states as one module call: the full layout's policy and reference.
-    Under FSDP2 it is the root group (embeddings, final norm, LM head): calling the backbone directly
-    would bypass the root's hooks, so its weights would stay shards."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
-        return response_hidden(self.lm.base_model, ids, mask, n_resp)
 
 class CriticTrunk(nn.Module):
     """The full layout's critic: its backbone and value head, values (B, T) fp32 in one module call."""
@@ -71,12 +196,12 @@ class CriticTrunk(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
         return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
 
+
+# ---- memory ------------------------------------------------------------------------------------------
 def enable_gradient_checkpointing(lm: nn.Module, context_fn=None) -> None:
     """Recompute each decoder layer in backward. HF only checkpoints a layer whose own `training` flag is
     set, so we set that flag on the layer objects alone: their children stay in eval (no dropout).
     `context_fn` (torch.utils.checkpoint's) sets up what the recomputation must see."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -86,47 +211,6 @@ def enable_gradient_checkpointing(lm: nn.Module, context_fn=None) -> None:
         if isinstance(module, GradientCheckpointingLayer):
             module.training = True
 
-def base_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a Linear; for a LoRA Linear, its frozen base layer's."""
-    base = module.get_base_layer() if isinstance(module, LoraLayer) else module
-    return base.weight, base.bias
-
-def policy_adapter(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(A, B, scaling) of the policy's adapter ("default") on a LoRA Linear, else None."""
-    if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
-        return None
-    return module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
-
-@contextlib.contextmanager
-def merged_lora(peft_model: nn.Module, adapter: str = "default"):
-    """Decode with base + adapter merged into temporary weights: one matmul per adapted layer instead of
-    three, ~40% of a small model's decode step. Only for an fp32 base (in bf16 the merge's rounding
-    swallows small adapter deltas). The base weight objects are swapped out and back, never modified,
-    so the frozen base (and with it the reference) cannot drift by merge/unmerge rounding."""
-    swaps = []
-    with torch.no_grad():
-        for module in peft_model.modules():
-            if isinstance(module, LoraLayer) and adapter in module.lora_A:
-                base = module.get_base_layer()
-                merged = (base.weight.float() + module.get_delta_weight(adapter).float()).to(base.weight.dtype)
-                swaps.append((base, base.weight, nn.Parameter(merged, requires_grad=False)))
-    with peft_model.disable_adapter():
-        for base, _, merged in swaps:
-            base.weight = merged
-        try:
-            yield
-        finally:
-            for base, original, _ in swaps:
-                base.weight = original
-
-@contextlib.contextmanager
-def yielding(context, value):
-    with context:
-        yield value
-
-def freeze(module: nn.Module) -> nn.Module:
-    module.requires_grad_(False)
-    return module.eval()
 
 def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Store every Linear (not tied to the input embeddings) in `dtype`, the rest as it is (fp32).

@@ -15,15 +15,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 
 from ppoforge.core.preference import bradley_terry_loss
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import right_pad
+from ppoforge.lm.models.loading import load_reward_model
+from ppoforge.lm.models.parts import export_model, lora_config, lora_wrap
 from ppoforge.lm.supervised.config import RewardConfig
 from ppoforge.lm.supervised.examples import Pair, preference_pairs
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
-from ppoforge.lm.supervised.sft import export_model, lora_wrap
 from ppoforge.runtime import distributed
+from ppoforge.runtime.fsdp import shard_model
+from ppoforge.runtime.precision import make_precision
 
 
 class RewardTask:
@@ -32,9 +39,6 @@ class RewardTask:
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
     def __init__(self, cfg: RewardConfig, run_dir: Path):
-        from ppoforge.lm.models.loading import load_reward_model
-        from ppoforge.runtime.precision import make_precision
-
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device, self.tokenizer = prepare(cfg)
         self.train_items, self.eval_items, _, where, drops = load_data(cfg, self.run_dir, self.tokenizer,
@@ -44,7 +48,8 @@ class RewardTask:
                             "and rejected (and prompt)")
         dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
         model = load_reward_model(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
-        self.model = lora_wrap(model, cfg, "SEQ_CLS") if cfg.layout == "lora" else model.train(False)
+        self.model = (lora_wrap(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, "SEQ_CLS"))
+                      if cfg.layout == "lora" else model.train(False))
         if cfg.layout == "lora":  # peft keeps the score head trainable (modules_to_save), in fp32
             for n, p in self.model.named_parameters():
                 if "modules_to_save" in n:
@@ -60,8 +65,6 @@ class RewardTask:
 
     def shard(self, precision: str) -> None:
         """FSDP2 over the ranks (runtime/fsdp.py): each layer a group, the model (its score head) the root."""
-        from ppoforge.runtime.fsdp import shard_model
-
         shard_model(self.model, precision)
         self._trainable = list(self.model.named_parameters())
         self.sharded = True
@@ -105,26 +108,21 @@ class RewardTask:
                 "eval/pairs": len(gaps)}
 
     def export(self, path: Path) -> None:
-        export_model(self.model, self.tokenizer, path, self.sharded)
+        export_model(self.model, path, self.tokenizer, self.sharded)
 
 
 def is_causal(model_type: str) -> bool:
     """A decoder-only family (causal attention everywhere); BERT-style encoders, which some causal-LM
     heads also exist for, are not."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
     """Histogram of r_chosen - r_rejected over held-out pairs: mass right of 0 is ranked right."""
-    import matplotlib
+    import matplotlib  # plotting only: matplotlib loads when a plot is drawn, not with the trainer
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.hist(gaps.cpu().numpy(), bins=30, color="tab:blue", alpha=0.8)

@@ -11,62 +11,24 @@ Left out: NEFTune noise, DPO-style losses, multi-turn data synthesis.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import torch
 
 from ppoforge.errors import UserError
-from ppoforge.lm.models.attention import as_attention_bias
+from ppoforge.lm.models.attention import as_attention_bias, left_pad
+from ppoforge.lm.models.loading import load_causal_lm
 from ppoforge.lm.models.logprobs import token_logprobs
-from ppoforge.lm.supervised.config import SFTConfig, SupervisedConfig
+from ppoforge.lm.models.parts import Trunk, enable_gradient_checkpointing, export_model, lora_config, lora_wrap
+from ppoforge.lm.models.sampler import SamplingParams, sample
+from ppoforge.lm.supervised.config import SFTConfig
 from ppoforge.lm.supervised.examples import Example, sft_examples
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
 from ppoforge.lm.supervised.packing import collate, pack
 from ppoforge.runtime import distributed
-
-
-def lora_wrap(model, cfg: SupervisedConfig, task_type: str):
-    """peft LoRA adapters on every (or the named) Linear of `model`; the rest frozen."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = cfg.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-    model.requires_grad_(False)
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                      bias="none", task_type=task_type)
-    return get_peft_model(model, lora).eval()
-
-
-def export_model(model, tokenizer, path: Path, sharded: bool = False) -> None:
-    """save_pretrained of the trained model (LoRA merged in fp32 from a copy) and its tokenizer. Sharded
-    (FSDP2), every rank gathers the weights with the others and rank 0 writes them."""
-    if sharded:
-        from ppoforge.runtime.fsdp import full_state_dict
-
-        state = full_state_dict(model)  # collective
-        if distributed.is_main():
-            model.save_pretrained(path, state_dict=state)
-            tokenizer.save_pretrained(path)
-        return
-    if hasattr(model, "merge_and_unload"):
-        model = copy.deepcopy(model).float().merge_and_unload()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
-class Backbone(torch.nn.Module):
-    """The causal LM's backbone as one module call, its last hidden states: under FSDP2 the root group
-    (embeddings and final norm), whose hooks a direct call of `lm.base_model` would bypass; the LM head
-    runs on its output (`shard_model(reshard_root=False)`, as lm/models/layouts.py's `Trunk`)."""
-
-    def __init__(self, lm: torch.nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, **kwargs) -> torch.Tensor:
-        return self.lm.base_model(**kwargs).last_hidden_state
+from ppoforge.runtime.fsdp import full_weights, reshard, shard_model
+from ppoforge.runtime.precision import make_precision
 
 
 class SFTTask:
@@ -75,10 +37,6 @@ class SFTTask:
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
     def __init__(self, cfg: SFTConfig, run_dir: Path):
-        from ppoforge.lm.models.loading import load_causal_lm
-        from ppoforge.lm.models.parts import enable_gradient_checkpointing
-        from ppoforge.runtime.precision import make_precision
-
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device, self.tokenizer = prepare(cfg)
         train, held, self.eval_rows, where, drops = load_data(cfg, self.run_dir, self.tokenizer, sft_examples)
@@ -89,9 +47,10 @@ class SFTTask:
         self.eval_items = [[ex] for ex in held]
         dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
         model = load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
-        self.model = lora_wrap(model, cfg, "CAUSAL_LM") if cfg.layout == "lora" else model.train(False)
+        self.model = (lora_wrap(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, "CAUSAL_LM"))
+                      if cfg.layout == "lora" else model.train(False))
         self.lm = self.model.get_base_model() if cfg.layout == "lora" else self.model
-        self.backbone = Backbone(self.lm).eval()
+        self.trunk = Trunk(self.lm).eval()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.lm)
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if cfg.layout == "full" or "lora_" in n]
@@ -102,21 +61,17 @@ class SFTTask:
         return self._trainable
 
     def shard(self, precision: str) -> None:
-        """FSDP2 over the ranks (runtime/fsdp.py): each decoder layer a group, `Backbone` the root."""
-        from ppoforge.runtime.fsdp import shard_model
-
-        shard_model(self.backbone, precision, reshard_root=False)  # the LM head runs after its forward
+        """FSDP2 over the ranks (runtime/fsdp.py): each decoder layer a group, `Trunk` the root."""
+        shard_model(self.trunk, precision, reshard_root=False)  # the LM head runs after its forward
         self._trainable = list(self.model.named_parameters())
         self.sharded = True
 
     def checkpoint_module(self) -> torch.nn.Module:
-        return self.backbone
+        return self.trunk
 
     def release(self) -> None:
         if self.sharded:
-            from ppoforge.runtime.fsdp import reshard
-
-            reshard(self.backbone)
+            reshard(self.trunk)
 
     def size(self, item: list[Example]) -> int:
         return sum(len(ex.ids) for ex in item)
@@ -133,7 +88,7 @@ class SFTTask:
                      "position_ids": batch.positions()}
         else:  # one right-padded example per row: the causal mask alone is exact for every real token (the
             masks = {}  # padding comes after them), and SDPA's is_causal kernel skips the masked half
-        hidden = self.backbone(input_ids=batch.ids, use_cache=False, **masks)
+        hidden = self.trunk(input_ids=batch.ids, use_cache=False, **masks)
         targets = batch.loss_mask[:, 1:].bool()
         hidden = hidden[:, :-1][targets]  # (N, H): positions that predict a target
         return token_logprobs(self.lm.get_output_embeddings()(hidden), batch.ids[:, 1:][targets], entropy=False)[0]
@@ -153,9 +108,7 @@ class SFTTask:
             total, tokens = distributed.all_sum(sums).tolist()
         loss = total / max(tokens, 1)
         if self.sharded:  # every rank samples the same completions in lockstep, each layer gathered per step
-            from ppoforge.runtime.fsdp import full_weights
-
-            with full_weights(self.backbone):
+            with full_weights(self.trunk):
                 self._write_samples()
             self.release()
         elif distributed.is_main():
@@ -164,9 +117,6 @@ class SFTTask:
 
     def _write_samples(self) -> None:
         """Completions of the first held-out prompts, sampled with a fixed seed, into samples.jsonl."""
-        from ppoforge.lm.models.attention import left_pad
-        from ppoforge.lm.models.sampler import SamplingParams, sample
-
         prompts = [_prompt_of(row) for row in self.eval_rows[:self.cfg.sample_prompts]]
         prompts = [p for p in prompts if p is not None]
         if not prompts:
@@ -193,7 +143,7 @@ class SFTTask:
         return self.tokenizer(messages[-1]["content"])["input_ids"]
 
     def export(self, path: Path) -> None:
-        export_model(self.model, self.tokenizer, path, self.sharded)
+        export_model(self.model, path, self.tokenizer, self.sharded)
 
 
 def _prompt_of(row: dict):
