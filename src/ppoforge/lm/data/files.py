@@ -1,4 +1,4 @@
-"""Data sources -> numbered rows, for prompt sets (`data.py`) and SFT / preference data (`examples.py`) alike.
+"""Data sources -> numbered rows, for prompt sets (`prompts.py`) and SFT / preference data (lm/supervised/examples.py).
 
 A local JSON or JSON Lines file is read with the standard library, row by row, so an error names the
 line (and a column whose type varies between rows is the row's problem, not the file's: pyarrow's JSON
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 from pathlib import Path
 
 from ppoforge.errors import UserError
@@ -92,9 +93,7 @@ def _read_text(path: Path) -> str:
 @contextlib.contextmanager
 def _quiet_datasets():
     """No log lines or progress bars from `datasets` while it loads (both restored afterwards)."""
-    import logging
-
-    import datasets
+    import datasets  # start-up: datasets (~1 s to import) loads only for the sources it reads, never for JSON
 
     verbosity, bars_off = datasets.logging.get_verbosity(), datasets.utils.are_progress_bars_disabled()
     datasets.logging.set_verbosity(logging.CRITICAL)  # it logs "Failed to read file ..." before raising
@@ -133,7 +132,7 @@ def _csv_problem(path: Path) -> str | None:
 
 
 def _parquet_rows(path: Path) -> int | None:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # comes with datasets: loaded only to look into a Parquet file that failed
 
     try:
         return pq.ParquetFile(path).metadata.num_rows
@@ -143,7 +142,7 @@ def _parquet_rows(path: Path) -> int | None:
 
 def _load(where: str, allowed: str, *args, **kwargs) -> list[dict] | None:
     """`datasets.load_dataset(...).to_list()`, quietly; None when the source holds no rows."""
-    import datasets
+    import datasets  # start-up: as in `_quiet_datasets`
 
     try:
         with _quiet_datasets():

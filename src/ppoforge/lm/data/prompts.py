@@ -1,6 +1,6 @@
 """Prompt sets for RLHF: a local data file, a `datasets` hub name, or the built-in demo prompts.
 
-Local files, dataset folders and hub names are read by `datafiles.py` (one-line errors naming the file
+Local files, dataset folders and hub names are read by `files.py` (one-line errors naming the file
 and line). A prompt row is a plain dict with at least the prompt field as a non-empty string; the
 trainer passes the row's other columns to reward functions as keyword lists, so extra columns (a
 reference answer, a label) are how a prompt set carries what its reward needs.
@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ppoforge.errors import UserError
 from ppoforge.lm.data.files import read_json_rows, read_source
+from ppoforge.lm.data.tasks import task_rows
 
 DEMO_SPLITS = {"demo": "train", "demo-heldout": "heldout"}
 ALLOWED_SOURCES = ("a .jsonl, .json, .csv or .parquet file, a datasets hub name, demo / demo-heldout, or "
@@ -68,8 +69,6 @@ def load_prompts(source: str, field: str = "prompt", split: str = "train",
     if limit is not None and limit < 1:
         raise UserError(f"prompts: limit {limit} is out of range; allowed: >= 1 or None (all rows)")
     if source.startswith("task:"):  # reasoning-gym's generators (lm/data/tasks.py)
-        from ppoforge.lm.data.tasks import task_rows
-
         rows = task_rows(source, field)[:limit]
         _check_rows(rows, list(rows[0]) if rows else [], field, f"task {source!r}")
         return rows

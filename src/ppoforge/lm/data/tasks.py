@@ -36,6 +36,7 @@ INSTALL = "pip install 'ppoforge[tasks]' (reasoning-gym)"
 
 def _reasoning_gym():
     try:
+        # optional extra (ppoforge[tasks]): imported at first use, a one-line error without it
         import reasoning_gym
         import reasoning_gym.utils
     except ImportError:

@@ -31,6 +31,8 @@ import json
 import random
 import re
 
+from transformers.utils import get_json_schema
+
 from ppoforge.errors import UserError
 from ppoforge.lm.envs.protocol import EnvStep, as_messages
 
@@ -41,7 +43,7 @@ INSTALL = "pip install 'ppoforge[envs]' (textarena)"
 
 def _textarena():
     try:
-        import textarena
+        import textarena  # optional extra (ppoforge[envs]): imported at first use, a one-line error without it
     except ImportError:
         raise UserError(f"environment textarena: needs textarena, which is not installed; install it: {INSTALL}"
                         ) from None
@@ -51,7 +53,7 @@ def _textarena():
 def textarena_check(name: str) -> None:
     """A UserError unless `name` is a registered TextArena game (checked when the spec is loaded)."""
     _textarena()
-    from textarena.envs.registration import ENV_REGISTRY
+    from textarena.envs.registration import ENV_REGISTRY  # optional extra: `_textarena` said it is there
 
     if name not in ENV_REGISTRY:
         raise UserError(f"environment textarena:{name}: no such TextArena game; allowed: one of its "
@@ -141,8 +143,6 @@ def parse_tool_calls(reply: str) -> list[tuple[str, dict]]:
 
 class TRLEnvironment:
     def __init__(self, env):
-        from transformers.utils import get_json_schema
-
         self.env = env
         methods = dict(inspect.getmembers(env, predicate=inspect.ismethod))
         where = f"environment trl:{type(env).__name__}"

@@ -16,6 +16,7 @@ trainer relies on are made here, once:
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -71,8 +72,6 @@ def resolve_model(name_or_path: str, field: str = "model") -> str:
 
 def _packaged_model(package: str, fix: str, field: str) -> Path:
     """The `model/` folder of a model shipped as a PyPI package (found, never imported)."""
-    import importlib.util
-
     spec = importlib.util.find_spec(package)
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / "model" / "config.json").is_file():

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ppoforge.errors import UserError
 
@@ -79,8 +80,6 @@ def ensure_cached() -> Path:
 
 def build_checkpoint(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF and save a plain bf16 Llama checkpoint plus tokenizer into `out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _set_special_tokens(tokenizer, gguf)
     if not tokenizer.chat_template:
@@ -105,7 +104,7 @@ def build_checkpoint(gguf: Path, out: Path) -> None:
 def _set_special_tokens(tokenizer, gguf: Path) -> None:
     """BOS, EOS and UNK as the GGUF's metadata names them. transformers' GGUF reader does not always get
     them right (4.56 made EOS `<|im_start|>` instead of `<|im_end|>`); the cache must not depend on it."""
-    import gguf as gguf_lib
+    import gguf as gguf_lib  # optional extra (gguf): only the one-time cache build reads a GGUF's metadata
 
     fields = gguf_lib.GGUFReader(gguf).fields
     tokens = fields["tokenizer.ggml.tokens"]

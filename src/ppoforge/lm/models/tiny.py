@@ -14,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -30,9 +32,6 @@ def _corpus() -> list[str]:
 
 def bpe_tokenizer(corpus: list[str], specials: list[str], vocab_size: int, **special_roles):
     """A byte-level BPE with Qwen2's pre-tokenizer, trained on `corpus` (any text round-trips)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -53,8 +52,6 @@ def tiny_tokenizer(vocab_size: int = 512):
 
 def save_tiny_lm(out_dir: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
     """Write a random-init Qwen2ForCausalLM and its tokenizer into `out_dir`; returns it."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
     out = Path(out_dir)
     tok = tiny_tokenizer()
     tok.save_pretrained(out)

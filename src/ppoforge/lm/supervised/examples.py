@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from importlib import resources
 
 from ppoforge.config import FLOAT32_MAX, float32_finite
 from ppoforge.errors import UserError
@@ -78,8 +79,6 @@ BUILTIN = {"demo-pairs": "train", "demo-pairs-heldout": "heldout", "demo-sft": "
 
 def _builtin_rows(source: str) -> list[tuple[int, dict]]:
     """The demo's preference pairs (`tools/make_demo_pairs.py`) or, as SFT data, their chosen completions."""
-    from importlib import resources
-
     with resources.as_file(resources.files("ppoforge") / "lm" / "data" / "demo_pairs.jsonl") as path:
         rows = [(line, row) for line, row in read_json_rows(path) if row["split"] == BUILTIN[source]]
     if source.startswith("demo-sft"):
