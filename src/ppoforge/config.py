@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from ppoforge.errors import UserError
+from ppoforge.runtime.rundir import atomic_write_text
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
@@ -190,8 +191,6 @@ def config_to_dict(cfg) -> dict:
 def save_config(cfg, path: Path, note: str | None = None) -> None:
     """The resolved config as YAML; `note` (how the run was launched: world size, per-rank batch) heads it
     as a comment, so reading it back gives the same fields."""
-    from ppoforge.runtime.rundir import atomic_write_text
-
     head = f"# {note}\n" if note else ""
     atomic_write_text(Path(path), head + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 

@@ -198,7 +198,7 @@ _SET_BY = ("Jupyter's configuration (a pass-through option, a --config file, or 
 
 
 def _auth_problem(identity) -> str | None:
-    from jupyter_server.auth.identity import PasswordIdentityProvider
+    from jupyter_server.auth.identity import PasswordIdentityProvider  # optional extra (ppoforge[notebook])
 
     if not isinstance(identity, PasswordIdentityProvider):
         return (f"{_SET_BY} replaces Jupyter's login with {type(identity).__name__}; allowed: Jupyter's own token "
@@ -256,6 +256,7 @@ def _held_stderr():
 def serve(argv: list[str]) -> int:
     """The exec'd server process: JupyterLab configured from `argv` and its config files as `jupyter lab`
     configures it, checked, then started (the port opens only in `start`)."""
+    # optional extra (ppoforge[notebook]): only the exec'd server process imports Jupyter
     from jupyter_core.application import NoStart
     from jupyterlab.labapp import LabApp
 

@@ -27,9 +27,11 @@ import yaml
 
 from ppoforge.config import build_config, read_saved_config, resume_config
 from ppoforge.errors import UserError
+from ppoforge.lm.rl import trainer as rlhf
 from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.supervised import reward_model, sft
 from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
-from ppoforge.runtime import trust
+from ppoforge.runtime import distributed, rundir, trust
 from ppoforge.runtime.rundir import atomic_write_text
 
 STAGES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": RLHFConfig}
@@ -74,10 +76,6 @@ def stage_configs(spec: dict[str, dict], run_dir: Path) -> dict:
 
 def _run_stage(stage: str, cfg, stage_dir: Path, trusted: bool) -> tuple[dict, str | None]:
     """Run (or resume) one stage; (its result, the signal that stopped it or None)."""
-    from ppoforge.lm.rl import trainer as rlhf
-    from ppoforge.lm.supervised import reward_model, sft
-    from ppoforge.runtime import rundir
-
     resume = (stage_dir / "checkpoint.pt").is_file() or (stage_dir / "checkpoint").is_dir()  # fsdp: a directory
     if resume:
         cfg = resume_config(type(cfg), read_saved_config(stage_dir / "config.yaml"), vars(cfg))
@@ -106,9 +104,7 @@ def _check_finished(stage: str, cfg, stage_dir: Path, trusted: bool) -> None:
 
 def _main() -> bool:
     """Rank 0 under torchrun (read from its environment: the first stage has not joined the group yet)."""
-    from ppoforge.runtime.distributed import env_world
-
-    return env_world().is_main
+    return distributed.env_world().is_main
 
 
 def _heldout(stage_dir: Path) -> dict:
@@ -141,16 +137,10 @@ def run_pipeline(config_path: Path, run_dir: Path, trusted: bool = False) -> dic
         summary[stage] = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k != "stopped_by"}
         if main:
             atomic_write_text(done, json.dumps(summary[stage], indent=1) + "\n")
-        _barrier()  # no rank checks the next stage's files before rank 0 has written this one's
+        distributed.barrier()  # no rank checks the next stage's files before rank 0 has written this one's
     if main:
         atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=1) + "\n")
     return {"stopped_by": None, **summary}
-
-
-def _barrier() -> None:
-    from ppoforge.runtime import distributed
-
-    distributed.barrier()
 
 
 def describe(summary: dict) -> str:

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ppoforge.errors import EXIT_USER, Fault, UserError
+from ppoforge.errors import EXIT_USER, Fault, UserError, classify
+from ppoforge.runtime.checkpoint import seed_everything
 from ppoforge.runtime.timeouts import StopRequested
 
 DEFAULT_TIMEOUT = 600.0  # seconds; the `dist_timeout` config default
@@ -304,8 +305,6 @@ def reseed(seed: int) -> None:
     """The process-global RNGs (python, numpy, torch: user code's) seeded per rank, seed + rank; the
     trainers' own generators stay seeded alike on all ranks. Nothing at world 1 (bit-identical runs)."""
     if _world.size > 1:
-        from ppoforge.runtime.checkpoint import seed_everything
-
         seed_everything(seed + _world.rank)
 
 
@@ -352,8 +351,6 @@ def checked(fn, *args):
 
 def _describe(e: BaseException) -> tuple[int, str]:
     """(exit code, the failing rank's line) of this rank's exception."""
-    from ppoforge.errors import classify
-
     code, line = classify(e)
     return code, f"rank {_world.rank}: {line}"
 

@@ -6,7 +6,7 @@
   then holds 1/world of every parameter (a `DTensor`) and of the optimizer state; a layer's full weights
   exist only between its pre-forward all-gather and its post-forward reshard.
 - `full_weights` is for code that reads `module.weight` itself instead of calling the module:
-  `lm.decoders.LlamaDecoder` does, so FSDP's forward hooks never fire for it and it would see shards.
+  `lm.models.decoders.LlamaDecoder` does, so FSDP's forward hooks never fire for it and it would see shards.
   Inside the context every FSDP group is unsharded (all-gathered, in the mixed-precision `param_dtype`),
   so `module.weight` is a plain full `nn.Parameter`; on exit the groups are resharded and the gathered
   storage is freed. The price is the whole model's weights on each rank for the length of the decode;
@@ -18,10 +18,10 @@
   process with no process group), sharded or not. A checkpoint is a directory, written beside its final
   place and renamed into it, so a crash leaves the old checkpoint or the new one (see `_swap_in`).
 
-Integration into the trainer (not done here; lm/ is edited elsewhere), recommended:
+How a trainer uses it (lm/models/layouts.py's `FullLayout.shard`, the supervised tasks' `shard`):
 1. setup: after building the policy and value models on the device, `shard_model(model, precision)` on
    each trainable one before building its optimizer (the optimizer must hold the DTensor shards); shard
-   the frozen reference and reward models too (their forwards run the hooks). With the bf16 policy use
+   the frozen reference too (its forward runs the hooks; the RLHF reward model stays whole). With the bf16 policy use
    `make_precision("fp32", device)` (no autocast): FSDP casts the gathered weights itself.
 2. rollout: `with torch.no_grad(), full_weights(policy): decoder = LlamaDecoder(policy); sample(...)`.
    Build the decoder inside the context (it keeps references to the gathered tensors, freed on exit)
@@ -51,7 +51,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -148,8 +153,6 @@ def reshard(model: nn.Module) -> None:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model`'s whole state dict on the CPU, every shard gathered (collective: every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

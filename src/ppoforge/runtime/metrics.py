@@ -29,7 +29,7 @@ class MetricsLogger:
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # loads tensorboard only for runs that write to it
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
@@ -80,10 +80,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str = "") -> Path | None:
     """One subplot per key that appears in the log, x = step. Returns the PNG path, or None."""
-    import matplotlib
+    import matplotlib  # plotting only: matplotlib loads when a plot is drawn, not with the trainer
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     rows = read_metrics(metrics_path)
     present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
