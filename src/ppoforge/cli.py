@@ -14,6 +14,10 @@
 
 Every failure ends in one line on stderr: bad input exit code 2, a fault of the environment exit code
 1 (see errors.py); `--debug` (anywhere on the line) or PPOFORGE_DEBUG=1 shows the traceback instead.
+
+Imported here: the configs (`--help` lists their fields) and what the commands share. Each command
+imports its trainer, evaluator or doctor in its own function (comment "CLI start-up"), so `--help` and
+every other command never load transformers, peft, gymnasium or the trainers they do not run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 from ppoforge.config import (
@@ -33,7 +38,15 @@ from ppoforge.config import (
     read_saved_config,
     resume_config,
 )
+from ppoforge.control.config import ControlConfig
+from ppoforge.doctor.report import CAPABILITY_KEYS, DEFAULT_REQUIRE
 from ppoforge.errors import UserError, classify
+from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
+from ppoforge.notebook import NotebookOptions, launch
+from ppoforge.runtime import rundir, trust
+from ppoforge.runtime.allocator import keep_freed_memory
+from ppoforge.runtime.precision import PRECISION_CHOICES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,8 +70,6 @@ def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]
     """--resume: the run dir's saved config plus the overrides a resume may change, and the code it names
     checked against the code the run started with; else preset plus overrides into a new (or, with
     --overwrite, emptied) run dir. Validation only: nothing is written here."""
-    from ppoforge.runtime import rundir, trust
-
     overrides = overrides_from_args(args)
     if args.resume:
         if args.preset or args.run_dir:
@@ -91,7 +102,7 @@ def _export(result: dict, run_dir: Path) -> str:
 
 
 def _cmd_train_control(args) -> int:
-    from ppoforge.control.config import ControlConfig
+    # CLI start-up: the trainer and gymnasium load for this command only, never for --help or another command
     from ppoforge.control.trainer import train
 
     cfg, run_dir = _config_and_run_dir(args, ControlConfig, "control", lambda c: f"{c.env_id}-s{c.seed}")
@@ -104,7 +115,7 @@ def _cmd_train_control(args) -> int:
 
 
 def _cmd_train_rlhf(args) -> int:
-    from ppoforge.lm.rl.config import RLHFConfig
+    # CLI start-up: the trainer, transformers and peft load for this command only
     from ppoforge.lm.rl.trainer import train
 
     cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
@@ -116,7 +127,7 @@ def _cmd_train_rlhf(args) -> int:
 
 
 def _cmd_train_sft(args) -> int:
-    from ppoforge.lm.supervised.config import SFTConfig
+    # CLI start-up: the trainer, transformers and peft load for this command only
     from ppoforge.lm.supervised.sft import train
 
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
@@ -128,7 +139,7 @@ def _cmd_train_sft(args) -> int:
 
 
 def _cmd_train_reward(args) -> int:
-    from ppoforge.lm.supervised.config import RewardConfig
+    # CLI start-up: the trainer, transformers and peft load for this command only
     from ppoforge.lm.supervised.reward_model import train
 
     cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
@@ -140,6 +151,7 @@ def _cmd_train_reward(args) -> int:
 
 
 def _cmd_pipeline(args) -> int:
+    # CLI start-up: the pipeline imports every LM trainer; they load for this command only
     from ppoforge.pipeline import describe, run_pipeline
 
     config = _pipeline_file(args.config)
@@ -156,8 +168,6 @@ def _cmd_pipeline(args) -> int:
 
 def _pipeline_file(name: str) -> Path:
     """A pipeline YAML path, or the name of a built-in one (configs/pipeline/<name>.yaml)."""
-    from importlib import resources
-
     path = Path(name)
     if path.suffix:
         return path
@@ -169,6 +179,7 @@ def _pipeline_file(name: str) -> Path:
 
 
 def _cmd_eval(args) -> int:
+    # CLI start-up: the evaluator and gymnasium load for this command only
     from ppoforge.control.evaluate import evaluate
 
     results = evaluate(Path(args.run_dir), args.episodes, seed=args.seed)
@@ -180,17 +191,18 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    # CLI start-up: the RLHF trainer, transformers and peft load for this command only
     from ppoforge.lm.rl.demo import run_demo
-    from ppoforge.runtime.rundir import prepare_new_run_dir
 
     name = "demo" if args.task == "sentiment" else f"demo-{args.task}"
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, name)
-    prepare_new_run_dir(run_dir, args.overwrite)
+    rundir.prepare_new_run_dir(run_dir, args.overwrite)
     run_demo(run_dir, overrides_from_args(args), args.task)
     return 0
 
 
 def _cmd_doctor(args) -> int:
+    # CLI start-up: every check (and the control trainer its smoke run uses) loads for this command only
     from ppoforge.doctor.runner import Options, main, parse_require
 
     opts = Options(device=args.device, precision=args.precision, quick=args.quick,
@@ -200,8 +212,6 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_notebook(args) -> int:
-    from ppoforge.notebook import NotebookOptions, launch
-
     extra = args.jupyter_args[1:] if args.jupyter_args[:1] == ["--"] else args.jupyter_args
     launch(NotebookOptions(ip=args.ip, port=args.port, root_dir=args.root_dir, token_file=args.token_file,
                            password_hash=args.password_hash, allow_origin=args.allow_origin,
@@ -237,13 +247,8 @@ def _add_train_parser(train_sub, domain: str, cls, help: str, run_name: str, fun
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ppoforge.control.config import ControlConfig
-
     parser = _Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    from ppoforge.lm.rl.config import RLHFConfig
-    from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
 
     train = sub.add_parser("train", help="train a policy")
     train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)
@@ -281,9 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--episodes", type=_positive_int, default=20, help="episodes per mode")
     ev.add_argument("--seed", type=int, default=10_000, help="seed of the first evaluation episode")
     ev.set_defaults(func=_cmd_eval)
-
-    from ppoforge.doctor.report import CAPABILITY_KEYS, DEFAULT_REQUIRE
-    from ppoforge.runtime.precision import PRECISION_CHOICES
 
     doc = sub.add_parser("doctor", help="check this machine: GPU, precision, libraries, storage, security; "
                          "exit 0 when the required capabilities hold")
@@ -323,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_libraries() -> None:
     """Our progress bar and our one-line errors only: no per-load progress bars from transformers."""
     try:
+        # optional extra (ppoforge[lm]), and CLI start-up: only the training commands load transformers
         from transformers.utils import logging as hf_logging
     except ImportError:  # control PPO needs no transformers
         return
@@ -345,8 +348,6 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
         if args.command in ("train", "demo", "pipeline"):
             _quiet_libraries()
-            from ppoforge.runtime.allocator import keep_freed_memory
-
             keep_freed_memory()  # process-wide, so here and not in a trainer (see runtime/allocator.py)
         return args.func(args)
     except KeyboardInterrupt:

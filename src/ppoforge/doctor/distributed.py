@@ -12,6 +12,7 @@ rank at the deadline and turns the hang into a `fail` with the usual fixes.
 
 from __future__ import annotations
 
+import copy
 import os
 import resource
 import socket
@@ -149,10 +150,9 @@ def fsdp_worker() -> None:
     """One rank: a 2-layer Llama sharded with `shard_model` (fully_shard per layer + root), a forward and
     backward of this rank's rows of a fixed batch, the whole model's gradient norm; and the same on an
     unsharded copy over every row. Prints both norms."""
-    import copy
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional extra (ppoforge[lm])
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    # start-up: runtime/fsdp imports torch.distributed.checkpoint (over a second), which `--quick` never needs
     from ppoforge.runtime.fsdp import shard_model
 
     backend, rank = os.environ["PPOFORGE_DOCTOR_BACKEND"], int(os.environ["RANK"])
@@ -179,7 +179,7 @@ def fsdp_worker() -> None:
 def check_fsdp(gpus: int, nccl: bool, timeout: float = 60.0, code: str = FSDP_WORKER) -> CheckResult:
     """Can `fsdp: true` run here: a real FSDP2 forward and backward over the ranks `torchrun` will use
     (one per GPU over NCCL, else two CPU processes over gloo), checked against one unsharded process."""
-    from ppoforge.runtime.fsdp import cpu_unsupported_reason
+    from ppoforge.runtime.fsdp import cpu_unsupported_reason  # start-up: as in `fsdp_worker` (a slow check)
 
     name = "fsdp"
     backend = "nccl" if gpus >= 2 and nccl else "gloo"
@@ -240,11 +240,9 @@ def rendezvous_target(endpoint: str | None, nnodes: int | None, node_rank: int |
 def run_rendezvous(target: Rendezvous, timeout: float) -> tuple[bool, str]:
     """(met, what happened): node 0 hosts a TCPStore at HOST:PORT, every node checks in, and each waits
     until all `nnodes` have (node 0 also until every node has seen that, so it never leaves first)."""
-    from torch.distributed import TCPStore
-
     start = time.monotonic()
     try:
-        store = TCPStore(target.host, target.port, target.nnodes, is_master=target.node_rank == 0,
+        store = dist.TCPStore(target.host, target.port, target.nnodes, is_master=target.node_rank == 0,
                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
         for key in ("ppoforge_doctor/arrived", "ppoforge_doctor/seen"):
             store.add(key, 1)

@@ -16,8 +16,12 @@ from pathlib import Path
 
 import torch
 
+from ppoforge.config import build_config
+from ppoforge.control import trainer as control_trainer
+from ppoforge.control.config import ControlConfig
 from ppoforge.doctor.report import CheckResult, fail, ok, skip, warn
 from ppoforge.errors import UserError
+from ppoforge.runtime.checkpoint import load_checkpoint
 from ppoforge.runtime.device import native_bf16, resolve_device
 from ppoforge.runtime.precision import Precision, make_precision
 
@@ -147,25 +151,20 @@ def _finite_losses(metrics_path: Path, prefix: str = "losses/") -> tuple[bool, i
 
 def control_smoke_run(device: str, precision: str, run_dir: Path) -> str:
     """Train CartPole for 2 updates, resume from the checkpoint, train a 3rd. Returns the evidence."""
-    from ppoforge.config import build_config
-    from ppoforge.control.config import ControlConfig
-    from ppoforge.control.trainer import CHECKPOINT, ControlTrainer
-    from ppoforge.runtime.checkpoint import load_checkpoint
-
     threads = torch.get_num_threads()  # the trainer sets its own; the doctor's benchmarks want theirs back
     values = {"env_id": "CartPole-v1", "num_envs": 2, "num_steps": 16, "total_steps": 64,
               "num_minibatches": 2, "update_epochs": 2, "device": device, "precision": precision,
               "progress": False, "tensorboard": False, "checkpoint_every": 1, "seed": 1}
     try:
-        trainer = ControlTrainer(build_config(ControlConfig, values), run_dir)
+        trainer = control_trainer.ControlTrainer(build_config(ControlConfig, values), run_dir)
         before = snapshot(trainer.agent)
         first = trainer.run()
         finite, rows = _finite_losses(run_dir / "metrics.jsonl")
-        ckpt = run_dir / CHECKPOINT
+        ckpt = run_dir / control_trainer.CHECKPOINT
         _expect(finite, f"non-finite losses in {run_dir / 'metrics.jsonl'}")
         _expect(changed(trainer.agent, before), "parameters did not change")
         _expect(ckpt.is_file(), "no checkpoint written")
-        resumed = ControlTrainer(build_config(ControlConfig, {**values, "total_steps": 96}), run_dir)
+        resumed = control_trainer.ControlTrainer(build_config(ControlConfig, {**values, "total_steps": 96}), run_dir)
         resumed.load(load_checkpoint(ckpt))
         _expect(not changed(resumed.agent, snapshot(trainer.agent)), "resumed parameters differ from saved")
         second = resumed.run()
@@ -208,9 +207,10 @@ LM_SMOKE = {"layout": "lora", "prompts": "demo", "heldout_prompts": None, "rewar
 
 def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
     """Two PPO updates of `ppoforge train rlhf` (LoRA layout) on a tiny Qwen2, then resume for a third."""
+    # optional extra (ppoforge[lm]: transformers, peft): without it the ImportError is this check's finding
     from transformers.utils import logging as hf_logging
 
-    from ppoforge.config import build_config
+    # the LM stack, which needs that extra too
     from ppoforge.lm.models.tiny import save_tiny_lm
     from ppoforge.lm.rl.config import RLHFConfig
     from ppoforge.lm.rl.trainer import CHECKPOINT, RLHFTrainer, train

@@ -22,9 +22,10 @@ def gather_templates() -> dict[str, tuple[bool, str] | None] | None:
     """{model: prefix_preserving(its tokenizer)} for the tiny LM and a built SmolLM2 (None: SmolLM2 is
     installed but not built); None without transformers."""
     try:
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # optional extra (ppoforge[lm]): no check without it
     except ImportError:
         return None
+    # these need transformers too: imported once it is known to be there
     from ppoforge.lm.envs.chat import prefix_preserving
     from ppoforge.lm.models import smollm2
     from ppoforge.lm.models.tiny import tiny_tokenizer
