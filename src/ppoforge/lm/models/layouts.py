@@ -16,7 +16,8 @@ Every layout runs the backbone (`lm.base_model`) itself and returns the hidden s
 that predict response tokens; the trainer applies the LM head (`logits`) to them in row chunks, so
 prompt positions never cost a (P, V) projection and scoring never holds a (B, T, V) tensor. Everything
 stays in eval mode — dropout is off, which PPO's ratio needs — and gradient checkpointing is switched
-on per decoder layer without putting any module in training mode.
+on per decoder layer without putting any module in training mode. What the layouts share with the
+supervised trainers — LoRA on a frozen base, the export, the trunks, the value head — is `parts.py`.
 
 Each layout has a plain path (Hugging Face modules) and, where `decoder` allows it, the lean decoder as
 an accelerator for sampling and for the LoRA reference pass (`fast_ref_forward`); the trainer checks

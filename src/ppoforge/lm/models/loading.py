@@ -1,4 +1,4 @@
-"""Loading tokenizers, causal LMs and scalar reward models for RLHF.
+"""Loading tokenizers, causal LMs and scalar reward models, for every trainer (RLHF, SFT, reward models).
 
 Every loader accepts the same `name_or_path`: a local checkpoint directory, a hub id, or the built-in
 name `smollm2-135m-instruct` (an offline cached checkpoint, see `smollm2.py`). Two guarantees the
