@@ -287,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=10_000, help="seed of the first evaluation episode")
     ev.set_defaults(func=_cmd_eval)
 
+    _add_doctor_parser(sub)
+    _add_notebook_parser(sub)
+    return parser
+
+
+def _add_doctor_parser(sub) -> None:
     doc = sub.add_parser("doctor", help="check this machine: GPU, precision, libraries, storage, security; "
                          "exit 0 when the required capabilities hold")
     doc.add_argument("--quick", action="store_true",
@@ -307,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: NODE_RANK, SLURM_NODEID, else 0)")
     doc.set_defaults(func=_cmd_doctor)
 
+
+def _add_notebook_parser(sub) -> None:
     nb = sub.add_parser("notebook", help="JupyterLab with authentication always on, on 127.0.0.1 by default")
     nb.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 warns)")
     nb.add_argument("--port", type=int, default=8888, help="port (default 8888)")
@@ -319,7 +327,6 @@ def build_parser() -> argparse.ArgumentParser:
     nb.add_argument("--allow-root", action="store_true", help="allow running as root (prints a warning)")
     nb.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="after --: more jupyter lab options")
     nb.set_defaults(func=_cmd_notebook)
-    return parser
 
 
 def _quiet_libraries() -> None:
