@@ -26,7 +26,7 @@ from ppoforge.lm.supervised.sft import export_model, lora_wrap
 from ppoforge.runtime import distributed
 
 
-class RewardTask:
+class RewardObjective:
     name = "reward"
     stat_keys = ("accuracy", "gap")  # what `loss` (bradley_terry_loss) returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
@@ -139,7 +139,7 @@ def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
 
 def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
-    trainer = SupervisedTrainer(cfg, run_dir, RewardTask(cfg, run_dir))
+    trainer = SupervisedTrainer(cfg, run_dir, RewardObjective(cfg, run_dir))
     if resume:
         trainer.resume()
     return trainer.run()
