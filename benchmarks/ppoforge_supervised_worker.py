@@ -37,8 +37,8 @@ def main() -> None:
     from ppoforge.config import build_config
     from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
     from ppoforge.lm.supervised.loop import SupervisedTrainer
-    from ppoforge.lm.supervised.reward_model import RewardTask
-    from ppoforge.lm.supervised.sft import SFTTask
+    from ppoforge.lm.supervised.reward_model import RewardObjective
+    from ppoforge.lm.supervised.sft import SFTObjective
     from ppoforge.runtime.allocator import keep_freed_memory
 
     keep_freed_memory()  # as the `ppoforge` command does at its entry
@@ -53,14 +53,14 @@ def main() -> None:
         if args.task == "sft":
             cfg = build_config(SFTConfig, {**fields, "model": str(wdir / "policy"), "data": str(wdir / "sft.jsonl"),
                                            "sample_prompts": 0})
-            task = SFTTask(cfg, Path(run_dir))
-            tokens = [len(ex.ids) for row in task.train_items for ex in row]
+            objective = SFTObjective(cfg, Path(run_dir))
+            tokens = [len(ex.ids) for row in objective.train_items for ex in row]
         else:
             cfg = build_config(RewardConfig, {**fields, "model": str(wdir / "reward"),
                                               "data": str(wdir / "pairs.jsonl")})
-            task = RewardTask(cfg, Path(run_dir))
-            tokens = [len(p.chosen) + len(p.rejected) for p in task.train_items]
-        trainer = SupervisedTrainer(cfg, Path(run_dir), task)
+            objective = RewardObjective(cfg, Path(run_dir))
+            tokens = [len(p.chosen) + len(p.rejected) for p in objective.train_items]
+        trainer = SupervisedTrainer(cfg, Path(run_dir), objective)
         marks = []
         for _ in range(steps):
             t, c = time.perf_counter(), time.process_time()

@@ -97,9 +97,9 @@ def test_a_run_whose_checkpoint_no_longer_fits_says_so_and_which_update_it_kept(
             self.w, self.update, self.optimizing = torch.zeros(1000), 0, False
 
         def state_dict(self):
-            return {"w": self.w.clone(), **self.light_state()}
+            return {"w": self.w.clone(), **self.step_state()}
 
-        def light_state(self):
+        def step_state(self):
             return {"update": self.update}
 
     trainer = Growing()

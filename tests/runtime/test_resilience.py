@@ -59,9 +59,9 @@ class _Trainer:
         self.w, self.draws, self.update, self.optimizing = torch.zeros(weight_numel), 0, 0, False
 
     def state_dict(self):
-        return {"w": self.w.clone(), **self.light_state()}
+        return {"w": self.w.clone(), **self.step_state()}
 
-    def light_state(self):
+    def step_state(self):
         return {"draws": self.draws, "update": self.update}
 
     def train_one_update(self, fail_at=None, phase="rollout"):
@@ -81,7 +81,7 @@ def test_a_failing_update_leaves_the_last_completed_one_on_disk(tmp_path, phase,
     from ppoforge.runtime import resilience
 
     if not small:
-        monkeypatch.setattr(resilience, "SNAPSHOT_LIMIT", 8)  # too big to copy: only the light state is kept
+        monkeypatch.setattr(resilience, "SNAPSHOT_LIMIT", 8)  # too big to copy: only the step state is kept
     trainer = _Trainer()
     guard = RunGuard(trainer, tmp_path / "ckpt.pt", "ppoforge train x --resume RUN")
     assert guard.full == small

@@ -29,8 +29,8 @@ from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime import distributed, trust
-from ppoforge.runtime.checkpoint import load_checkpoint, resume_from, rng_state, seed_everything, set_rng_state
+from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime.checkpoint import resume_from, seed_everything
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.precision import make_precision
@@ -106,43 +106,37 @@ class ControlTrainer:
         self.update = 0  # completed updates
         self.lr_scale = 1.0  # lowered by each non-finite rollback
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
-        self.run_guard = RunGuard(self, self.run_dir / CHECKPOINT, f"ppoforge train control --resume {self.run_dir}")
+        self.checkpoint = self.run_dir / CHECKPOINT
+        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train control --resume {self.run_dir}")
 
-    # ---- checkpoint -------------------------------------------------------------------------------
+    # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
         return {"agent": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "precision": self.precision.state_dict(), "runner": self.runner.state_dict(),
-                "policy_rng": self.policy_rng.bit_generator.state, "rng": rng_state(),
-                "update": self.update, "config": config_to_dict(self.cfg), "guard": self.guard.state_dict(),
-                "lr_scale": self.lr_scale, "world_size": self.world.size}
+                "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg),
+                "world_size": self.world.size, **self.step_state()}
 
-    def light_state(self) -> dict:
-        """Unused: the whole state is small enough to copy at every update (see RunGuard)."""
-        return self.state_dict()
+    def step_state(self) -> dict:
+        """What an update changes besides the weights and the optimizer: the run state, the environments
+        and the policy's RNG (RunGuard copies the whole state, small enough, in its place)."""
+        return {"runner": self.runner.state_dict(), "policy_rng": self.policy_rng.bit_generator.state,
+                **runstate.step_state(self)}
+
+    def resume(self) -> None:
+        resume_from(self, self.checkpoint)
 
     def load(self, state: dict) -> None:
         self.agent.load_state_dict(state["agent"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         # under torchrun rank 0's environments are not the others': every rank restarts its episodes
-        distributed_run = self.world.size > 1 or state.get("world_size", 1) > 1
+        distributed_run = self.world.size > 1 or state["world_size"] > 1
         self.runner.load_state_dict(state["runner"], restore_envs=not distributed_run,
                                     seed_offset=self.envs_shard.start)
         self.policy_rng.bit_generator.state = state["policy_rng"]
-        set_rng_state(state["rng"])
-        self.update = state["update"]
-        self.guard.load_state_dict(state.get("guard", {}))
-        self.lr_scale = state.get("lr_scale", 1.0)
+        runstate.load_step_state(self, state)
 
     def rollback(self) -> None:
-        """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
-        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
-        distributed.barrier()  # rank 0's checkpoint is on disk
-        self.load(load_checkpoint(self.run_dir / CHECKPOINT))
-        self.guard.counts.update(counts)
-        self.lr_scale = scale
-        if self.world.is_main:
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.update * self.cfg.batch_size)
+        runstate.rollback(self, [self.run_dir / "metrics.jsonl"], steps_per_update=self.cfg.batch_size)
 
     # ---- training ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -205,7 +199,7 @@ def train(cfg: ControlConfig, run_dir: Path, resume: bool = False) -> TrainResul
     """Train (or, with resume, continue) a run in `run_dir`, then draw its learning curve."""
     trainer = ControlTrainer(cfg, run_dir)
     if resume:
-        resume_from(trainer, Path(run_dir) / CHECKPOINT)
+        trainer.resume()
     result = trainer.run()
     if trainer.world.is_main:
         plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",

@@ -5,7 +5,9 @@ target and the directory fsynced (`rundir.atomic_write_bytes`): a crash or a ful
 moment leaves either the old file or the new one, never half of one; a full disk is reported as the
 OSError it is (torch would say "unexpected pos"), so the run says "no space left". Everything inside is plain
 tensors, numbers, strings, lists and dicts, so it loads with `torch.load(weights_only=True)` — the
-default since torch 2.6 that broke many trainers' resume.
+default since torch 2.6 that broke many trainers' resume. `resume_from` loads one into a trainer (a
+sharded FSDP2 directory too: `sharded_writer` writes those); what a trainer's checkpoint holds is
+`runtime/runstate.py`'s.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def seed_everything(seed: int) -> None:
 def sharded_writer(path: Path, module, optimizer):
     """RunGuard's `write` for a sharded checkpoint directory at `path` (FSDP2, runtime/fsdp.py): every rank
     writes its shards of `module` and `optimizer`, rank 0 the rest of the state."""
+    # FSDP2 and torch.distributed.checkpoint load for a sharded run only: CLI start-up imports this module
     from ppoforge.runtime.fsdp import save_sharded
 
     return lambda state: save_sharded(path, module, optimizer, state)
@@ -114,6 +117,7 @@ def resume_from(trainer, path: Path, sharded=None) -> None:
     `sharded`: the trainer's model, for a sharded checkpoint directory (`sharded_writer`) whatever world
     size wrote it; its weights and `trainer.optimizer` load there, the rest through `load`."""
     if sharded is not None:
+        # FSDP2 and torch.distributed.checkpoint load for a sharded run only: CLI start-up imports this module
         from ppoforge.runtime.fsdp import load_sharded
 
         state = load_sharded(path, sharded, trainer.optimizer)

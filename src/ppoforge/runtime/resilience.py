@@ -5,9 +5,11 @@
   start; when anything raises inside the update, it writes a checkpoint of the last completed update
   before the exception leaves, so `--resume` continues from there. A full in-memory copy of the state
   is kept when it is small (LoRA adapters, control nets: well under `SNAPSHOT_LIMIT`); for a large
-  state only the light part (RNGs, data cursor, counters) is kept, which is enough while the update
-  has not yet stepped the optimizer (sampling, rewards, environments: where user code fails). A
-  failure after that keeps the last periodic checkpoint, and the message says which update it holds.
+  state only its step state is kept (what one update changes besides the weights and the optimizer:
+  RNGs, data cursor, counters; `runtime/runstate.py`), which is enough while the update has not yet
+  stepped the optimizer (sampling, rewards, environments: where user code fails). A failure after that
+  keeps the last periodic checkpoint, and the message says which update it holds.
+- `Trainer`: what `RunGuard` and `train_loop` drive (control PPO, RLHF, the supervised loop).
 - `NonFiniteGuard`: an optimizer step whose loss or gradient norm is not finite is skipped (and an
   update whose rewards are not all finite is skipped whole), counted in `guard/*` metrics; after
   `nonfinite_patience` bad ones in a row the run stops with one line, or with `nonfinite_action:
@@ -20,6 +22,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -27,6 +30,7 @@ from ppoforge.config import param
 from ppoforge.errors import Fault
 from ppoforge.runtime import distributed
 from ppoforge.runtime.checkpoint import save_checkpoint
+from ppoforge.runtime.signals import StopFlag
 from ppoforge.runtime.timeouts import StopRequested
 
 SNAPSHOT_LIMIT = 512 * 2**20  # bytes of state copied in memory at every update's start
@@ -129,16 +133,30 @@ class NonFiniteGuard:
         self.counts.update(state.get("counts", {}))
 
 
+class Trainer(Protocol):
+    """What `RunGuard` and `train_loop` drive: control PPO, RLHF and the supervised loop."""
+
+    update: int       # completed updates
+    optimizing: bool  # has the current update stepped the optimizer? (RunGuard resets it at each update)
+
+    def state_dict(self) -> dict: ...  # all a checkpoint holds
+
+    def step_state(self) -> dict: ...  # what one update changes besides the weights and the optimizer
+
+    def train_one_update(self): ...  # one update; what it returns goes to train_loop's `after_update`
+
+    def rollback(self) -> None: ...  # back to the last checkpoint when the non-finite guard gives up
+
+
 class RunGuard:
-    """Checkpoint-on-failure around each update of `trainer`, which provides `state_dict()`,
-    `light_state()`, `update` (completed updates) and `optimizing` (True once its update has stepped the
-    optimizer). `resume_hint` is the command that continues the run.
+    """Checkpoint-on-failure around each update of `trainer` (a `Trainer`). `resume_hint` is the command
+    that continues the run.
 
     `write(state)`, when given, is a collective writer every rank calls (FSDP2's sharded checkpoint: it
     saves the live weights itself, so no snapshot of them is kept); on a failure it runs only when every
     rank knows of it (a shared error or a stop), since the others would otherwise never join it."""
 
-    def __init__(self, trainer, path: Path, resume_hint: str, write=None):
+    def __init__(self, trainer: Trainer, path: Path, resume_hint: str, write=None):
         self.trainer, self.path, self.resume_hint, self.write = trainer, Path(path), resume_hint, write
         self.full = write is None and nbytes(trainer.state_dict()) <= SNAPSHOT_LIMIT
         self.saved_update: int | None = None  # the update the newest checkpoint on disk holds
@@ -153,7 +171,7 @@ class RunGuard:
 
     @contextlib.contextmanager
     def update(self):
-        point = _clone(self.trainer.state_dict() if self.full else self.trainer.light_state())
+        point = _clone(self.trainer.state_dict() if self.full else self.trainer.step_state())
         self.trainer.optimizing = False
         try:
             yield
@@ -187,14 +205,12 @@ def resume_note(saved: int | None, hint: str) -> str:
     return f"checkpoint at update {saved}: continue with {hint}"
 
 
-def train_loop(trainer, guard: RunGuard, total: int, checkpoint_every: int, after_update) -> str | None:
+def train_loop(trainer: Trainer, guard: RunGuard, total: int, checkpoint_every: int, after_update) -> str | None:
     """Run `trainer.train_one_update()` until `trainer.update == total` or a stop signal; returns the
     signal's name, or None. Each update — its logging (`after_update(result)`) and checkpoint included —
     runs inside `guard.update()`, so a failure anywhere in it leaves the last completed update on disk.
     A `Rollback` from the non-finite guard calls `trainer.rollback()` and goes on. Under torchrun the
     ranks agree on a stop after each update (one that reached one rank first stops them all there)."""
-    from ppoforge.runtime.signals import StopFlag
-
     with StopFlag() as stop:
         stopping = False
         while trainer.update < total and not stopping:

@@ -70,15 +70,15 @@ def test_sft_resume_after_sigterm_equals_the_uninterrupted_run(tmp_path, tiny_lm
 
     cfg = _sft_cfg(tiny_lm_dir, sft_file, epochs=2, checkpoint_every=100)
     sft.train(cfg, tmp_path / "full")
-    trainer = sft.SupervisedTrainer(cfg, tmp_path / "split", sft.SFTTask(cfg, tmp_path / "split"))
-    loss = trainer.task.loss
+    trainer = sft.SupervisedTrainer(cfg, tmp_path / "split", sft.SFTObjective(cfg, tmp_path / "split"))
+    loss = trainer.objective.loss
 
     def loss_then_sigterm(items):
         if trainer.update == 3 and not hasattr(trainer, "_sent"):
             trainer._sent = os.kill(os.getpid(), signal.SIGTERM) or True
         return loss(items)
 
-    trainer.task.loss = loss_then_sigterm
+    trainer.objective.loss = loss_then_sigterm
     stopped = trainer.run()
     assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == 4
     sft.train(cfg, tmp_path / "split", resume=True)
@@ -160,66 +160,66 @@ def test_reward_model_trains_with_lora_or_full_and_the_margin(tmp_path, tiny_rew
 
     cfg = _rm_cfg(tiny_reward_model_dir, pairs_file, layout=layout, epochs=1, center_coef=0.01,
                   learning_rate=5e-3 if layout == "lora" else 1e-3)
-    trainer = reward_model.SupervisedTrainer(cfg, tmp_path, reward_model.RewardTask(cfg, tmp_path))
-    before = {n: p.detach().clone() for n, p in trainer.task.trainable()}
+    trainer = reward_model.SupervisedTrainer(cfg, tmp_path, reward_model.RewardObjective(cfg, tmp_path))
+    before = {n: p.detach().clone() for n, p in trainer.objective.trainable()}
     metrics = trainer.train_one_update()
     assert metrics["train/loss"] > 0 and 0 <= metrics["train/accuracy"] <= 1
-    changed = [n for n, p in trainer.task.trainable() if not torch.equal(p, before[n])]
+    changed = [n for n, p in trainer.objective.trainable() if not torch.equal(p, before[n])]
     assert changed and (layout == "full" or all("lora_" in n or "modules_to_save" in n for n in changed))
     if layout == "lora":
         assert any("score" in n for n in changed)  # the score head trains too
 
 
-def _target_logprobs_alone(task, items):
-    return torch.cat([task._target_logprobs([row]) for row in items])
+def _target_logprobs_alone(objective, items):
+    return torch.cat([objective._target_logprobs([row]) for row in items])
 
 
 def test_sft_batches_without_a_padding_mask_score_every_example_as_it_scores_alone(tmp_path, tiny_lm_dir, sft_file):
     """Unpacked right-padded rows run with the causal mask only; the padding after a row's tokens must not
     change its log-probs (nor may the rows' order within a micro-batch)."""
-    from ppoforge.lm.supervised.sft import SFTTask
+    from ppoforge.lm.supervised.sft import SFTObjective
 
-    task = SFTTask(_sft_cfg(tiny_lm_dir, sft_file, layout="full"), tmp_path)
-    items = sorted(task.train_items, key=task.size)[::5][:6]  # different lengths in one batch
-    assert len({task.size(row) for row in items}) > 1
+    objective = SFTObjective(_sft_cfg(tiny_lm_dir, sft_file, layout="full"), tmp_path)
+    items = sorted(objective.train_items, key=objective.size)[::5][:6]  # different lengths in one batch
+    assert len({objective.size(row) for row in items}) > 1
     with torch.no_grad():
-        torch.testing.assert_close(task._target_logprobs(items), _target_logprobs_alone(task, items),
+        torch.testing.assert_close(objective._target_logprobs(items), _target_logprobs_alone(objective, items),
                                    atol=1e-5, rtol=1e-5)
 
 
 def test_causal_reward_model_batches_score_each_pair_as_alone(tmp_path, tiny_reward_model_dir, pairs_file):
-    from ppoforge.lm.supervised.reward_model import RewardTask, is_causal
+    from ppoforge.lm.supervised.reward_model import RewardObjective, is_causal
 
     assert is_causal("qwen2") and is_causal("llama") and not is_causal("bert") and not is_causal("distilbert")
-    task = RewardTask(_rm_cfg(tiny_reward_model_dir, pairs_file), tmp_path)
-    assert task.causal
-    items = task.train_items[:6]
+    objective = RewardObjective(_rm_cfg(tiny_reward_model_dir, pairs_file), tmp_path)
+    assert objective.causal
+    items = objective.train_items[:6]
     items[0] = type(items[0])(items[0].chosen + items[0].chosen, items[0].rejected)  # a longer row pads the rest
     with torch.no_grad():
-        batch = torch.stack(task.rewards(items))
-        alone = torch.stack([torch.cat(task.rewards([p])) for p in items], dim=1)
+        batch = torch.stack(objective.rewards(items))
+        alone = torch.stack([torch.cat(objective.rewards([p])) for p in items], dim=1)
     torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["sft", "reward"])
-def test_the_all_reduce_layout_is_the_tasks_stat_keys_not_the_first_batchs(tmp_path, tiny_lm_dir,
-                                                                           tiny_reward_model_dir, sft_file,
-                                                                           pairs_file, monkeypatch, kind):
+def test_the_all_reduce_layout_is_the_objectives_stat_keys_not_the_first_batchs(tmp_path, tiny_lm_dir,
+                                                                                tiny_reward_model_dir, sft_file,
+                                                                                pairs_file, monkeypatch, kind):
     """Under torchrun a rank whose first step holds no items (a resume into an epoch's partial last batch)
     has no stats: its flat all-reduce must still be as long as the others' (gloo errors on a length
-    mismatch, NCCL is undefined). The layout is the task's declared `stat_keys`, which its loss returns."""
+    mismatch, NCCL is undefined). The layout is the objective's declared `stat_keys`, which its loss returns."""
     from ppoforge.lm.supervised import reward_model, sft
     from ppoforge.runtime import distributed
 
     if kind == "sft":
         cfg = _sft_cfg(tiny_lm_dir, sft_file)
-        task = sft.SFTTask(cfg, tmp_path)
+        objective = sft.SFTObjective(cfg, tmp_path)
     else:
         cfg = _rm_cfg(tiny_reward_model_dir, pairs_file)
-        task = reward_model.RewardTask(cfg, tmp_path)
-    trainer = sft.SupervisedTrainer(cfg, tmp_path, task)
+        objective = reward_model.RewardObjective(cfg, tmp_path)
+    trainer = sft.SupervisedTrainer(cfg, tmp_path, objective)
     with torch.no_grad():
-        _, stats = task.loss(task.train_items[:2])
+        _, stats = objective.loss(objective.train_items[:2])
     lengths = []
 
     def fake_all_reduce_grads(params, extra):
@@ -232,4 +232,4 @@ def test_the_all_reduce_layout_is_the_tasks_stat_keys_not_the_first_batchs(tmp_p
     loss, summed = trainer._all_reduced(torch.zeros(()), {})  # this rank: no items, no stats
     trainer._all_reduced(torch.zeros(()), stats)  # the next step: the stats are back
     assert lengths == [1 + len(stats)] * 2 and sorted(summed) == sorted(stats)
-    assert sorted(stats) == sorted(task.stat_keys)  # what the loss returns is what the task declares
+    assert sorted(stats) == sorted(objective.stat_keys)  # what the loss returns is what the objective declares

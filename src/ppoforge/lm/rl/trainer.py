@@ -50,8 +50,8 @@ from ppoforge.lm.rl.build import Components, build_components
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.passes import RolloutScoring
 from ppoforge.lm.rl.rollout import ESTIMATORS, Rollout, gather_rollout, non_score_rewards, rollout_metrics
-from ppoforge.runtime import distributed, trust
-from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
+from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
 from ppoforge.runtime.oom import retry_halving
@@ -144,22 +144,17 @@ class RLHFTrainer:
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
 
-    # ---- checkpoint -------------------------------------------------------------------------------
+    # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
         """The whole state; with `fsdp` all but the weights and optimizer, which `sharded_writer` saves."""
-        weights = {} if self.cfg.fsdp else {
-            "trainable": {n: p.detach().clone() for n, p in self.layout.named_trainable()},
-            "optimizer": self.optimizer.state_dict()}
-        return {**weights, "precision": self.precision.state_dict(),
-                "kl_ctl": self.kl_ctl.state_dict(), "rng": rng_state(), "generator": self.gen.get_state(),
-                "update": self.update, "cursor": self.cursor, "config": config_to_dict(self.cfg),
-                **self.light_state()}
+        return {**runstate.weights_state(self.layout.named_trainable(), self.optimizer, self.cfg.fsdp),
+                "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg), **self.step_state()}
 
-    def light_state(self) -> dict:
-        """What an update changes besides the weights and the optimizer (see RunGuard)."""
-        return {"rng": rng_state(), "generator": self.gen.get_state(), "kl_ctl": self.kl_ctl.state_dict(),
-                "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
-                "lr_scale": self.lr_scale}
+    def step_state(self) -> dict:
+        """What an update changes besides the weights and the optimizer: the run state, the data cursor, the
+        shared generator and the KL controller."""
+        return {**runstate.step_state(self), "cursor": self.cursor, "generator": self.gen.get_state(),
+                "kl_ctl": self.kl_ctl.state_dict()}
 
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
@@ -167,30 +162,16 @@ class RLHFTrainer:
 
     def load(self, state: dict) -> None:
         """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
-        if "trainable" in state:
-            with torch.no_grad():
-                for name, p in self.layout.named_trainable():
-                    p.copy_(state["trainable"][name])
-            self.optimizer.load_state_dict(state["optimizer"])
+        runstate.load_weights(state, self.layout.named_trainable(), self.optimizer)
         self.precision.load_state_dict(state["precision"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        set_rng_state(state["rng"])  # rank 0's: the other ranks reseed theirs (the shared generator resumes)
-        distributed.reseed(self.cfg.seed + 1_000_003 * state["update"])
-        self.gen.set_state(state["generator"])
-        self.update, self.cursor = state["update"], state["cursor"]
-        self.guard.load_state_dict(state.get("guard", {}))
-        self.lr_scale = state.get("lr_scale", 1.0)
+        runstate.load_step_state(self, state)  # rank 0's RNGs: the other ranks reseed theirs
+        distributed.reseed(self.cfg.seed + 1_000_003 * self.update)
+        self.gen.set_state(state["generator"])  # the shared generator resumes on every rank
+        self.cursor = state["cursor"]
 
     def rollback(self) -> None:
-        """The non-finite guard gave up on the current state: back to the last checkpoint, lower lr."""
-        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
-        distributed.barrier()  # rank 0's checkpoint is on disk
-        self.resume()
-        self.guard.counts.update(counts)
-        self.lr_scale = scale
-        for name in ("metrics.jsonl", "completions.jsonl"):  # the steps after it are run again
-            if self.world.is_main:
-                truncate_metrics(self.run_dir / name, self.update)
+        runstate.rollback(self, [self.run_dir / "metrics.jsonl", self.run_dir / "completions.jsonl"])
 
     # ---- data ---------------------------------------------------------------------------------------
     def next_prompts(self) -> list[int]:

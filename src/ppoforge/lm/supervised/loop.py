@@ -1,19 +1,22 @@
 """The loop SFT and reward-model training share: epochs of shuffled examples, one optimizer step per
 batch, gradient accumulation over micro-batches, evaluation, checkpoints, exact resume.
 
-A task (`sft.SFTTask`, `reward_model.RewardTask`) owns the model, the examples and the loss; this
-module owns everything around them, composed from the shared pieces: precision (`runtime/precision`),
-token-share accumulation (`core/accumulation`: a micro-batch's mean loss is weighted by its share of
-the batch's loss units — tokens for SFT, pairs for reward models — so any split gives the batch's
-gradient), the non-finite guard, OOM halving of the micro-batch, `RunGuard` checkpoints on failure and
-`train_loop` (signals, periodic checkpoints). The data order is a permutation per epoch seeded by
-(seed, epoch) and a cursor: a resumed run sees exactly the batches the uninterrupted one would.
+An objective (`sft.SFTObjective`: the completion tokens' NLL; `reward_model.RewardObjective`: the
+Bradley-Terry loss of preference pairs) owns the model, the examples and the loss; this module owns
+everything around them, composed from the shared pieces: precision (`runtime/precision`), token-share
+accumulation (`core/accumulation`: a micro-batch's mean loss is weighted by its share of the batch's
+loss units — tokens for SFT, pairs for reward models — so any split gives the batch's gradient), the
+non-finite guard, OOM halving of the micro-batch, `RunGuard` checkpoints on failure, `train_loop`
+(signals, periodic checkpoints) and the run state a checkpoint holds (`runtime/runstate`). The data
+order is a permutation per epoch seeded by (seed, epoch) and a cursor: a resumed run sees exactly the
+batches the uninterrupted one would.
 Under torchrun every rank draws the same global batch and trains its slice of it; the loss units are
 counted over the whole batch (every rank holds all items, so no collective is needed for it), and the
-gradients, loss and stats are all-reduced once per step. Evaluation is sharded the same way (the task
-combines the ranks' sums); every run-dir write is rank 0's. With `fsdp` (the full layout sharded by FSDP2,
-`Task.shard`) FSDP reduces the gradients, every rank runs as many micro-batches as the rank with the most
-items (FSDP's forward and backward are collectives), and every rank evaluates every held-out item.
+gradients, loss and stats are all-reduced once per step. Evaluation is sharded the same way (the
+objective combines the ranks' sums); every run-dir write is rank 0's. With `fsdp` (the full layout
+sharded by FSDP2, `Objective.shard`) FSDP reduces the gradients, every rank runs as many micro-batches
+as the rank with the most items (FSDP's forward and backward are collectives), and every rank
+evaluates every held-out item.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import torch
 
 from ppoforge.config import config_to_dict, save_config
 from ppoforge.core.accumulation import token_share
+from ppoforge.lm.models.loading import load_tokenizer
 from ppoforge.lm.supervised.config import SupervisedConfig
-from ppoforge.runtime import distributed, trust
-from ppoforge.runtime.checkpoint import resume_from, rng_state, seed_everything, set_rng_state, sharded_writer
+from ppoforge.lm.supervised.examples import read_rows
+from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, truncate_metrics
 from ppoforge.runtime.oom import retry_halving
-from ppoforge.runtime.precision import make_precision
+from ppoforge.runtime.precision import make_precision, resolve_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
 from ppoforge.runtime.rundir import atomic_write_text
@@ -45,8 +50,10 @@ CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
 
 
-class Task(Protocol):
-    """What a supervised objective provides to the loop."""
+class Objective(Protocol):
+    """What the shared loop optimises, and what it needs of it: SFT's NLL (`sft.SFTObjective`) or the
+    reward model's Bradley-Terry loss (`reward_model.RewardObjective`), with the model, its examples and
+    its export."""
 
     name: str             # "sft" / "reward": the `ppoforge train <name>` command
     train_items: list     # examples (or packed rows / pairs), in file order
@@ -82,50 +89,49 @@ class Task(Protocol):
 
 
 class SupervisedTrainer:
-    def __init__(self, cfg: SupervisedConfig, run_dir: Path, task: Task):
-        self.cfg, self.run_dir, self.task = cfg, Path(distributed.rank0_value(str(run_dir))), task
-        self.world = distributed.world()  # joined in `prepare`, before the task built its model
+    def __init__(self, cfg: SupervisedConfig, run_dir: Path, objective: Objective):
+        self.cfg, self.run_dir, self.objective = cfg, Path(distributed.rank0_value(str(run_dir))), objective
+        self.world = distributed.world()  # joined in `prepare`, before the objective built its model
         distributed.shard(cfg.batch_size, "batch_size")  # a global batch that divides by the ranks
         # FSDP2 (`fsdp` under torchrun): FSDP casts the weights (bf16) in place of autocast, reduces the
         # gradients itself, and every rank runs every micro-batch's forward/backward (`_gradients`)
         self.sharded = cfg.fsdp and self.world.size > 1
         if self.sharded:
-            from ppoforge.runtime.precision import resolve_precision
-
-            distributed.broadcast_params([p for _, p in task.trainable()])
-            task.shard(resolve_precision(cfg.precision, task.device))
-        self.precision = make_precision("fp32" if self.sharded else cfg.precision, task.device)
-        self.params = [p for _, p in task.trainable()]
+            distributed.broadcast_params([p for _, p in objective.trainable()])
+            objective.shard(resolve_precision(cfg.precision, objective.device))
+        self.precision = make_precision("fp32" if self.sharded else cfg.precision, objective.device)
+        self.params = [p for _, p in objective.trainable()]
         if not self.sharded:
             distributed.broadcast_params(self.params)
         distributed.reseed(cfg.seed)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                           fused=task.device.type in ("cpu", "cuda"))
-        n = len(task.train_items)
+                                           fused=objective.device.type in ("cpu", "cuda"))
+        n = len(objective.train_items)
         self.steps_per_epoch = math.ceil(n / cfg.batch_size)
         self.total_steps = max(1, round(cfg.epochs * self.steps_per_epoch))
         self.warmup = round(cfg.warmup_ratio * self.total_steps)
         self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
-        self.update, self.cursor, self.lr_scale, self.optimizing = 0, 0, 1.0, False
+        self.update = 0  # completed updates (optimizer steps)
+        self.cursor = 0  # examples consumed: the data position, an epoch-wise shuffled stream
+        self.lr_scale = 1.0  # lowered by each non-finite rollback
+        self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.micro_batch = cfg.micro_batch_size
-        self._order = (-1, None)
+        self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
-        self.sharded_module = task.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
-        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train {task.name} --resume {run_dir}",
+        self.sharded_module = objective.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
+        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train {objective.name} --resume {run_dir}",
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
 
-    # ---- state -------------------------------------------------------------------------------------
+    # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
         """The whole state; with `fsdp` all but the weights and optimizer, which `sharded_writer` saves."""
-        weights = {} if self.cfg.fsdp else {"trainable": {n: p.detach().clone() for n, p in self.task.trainable()},
-                                            "optimizer": self.optimizer.state_dict()}
-        return {**weights, "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg),
-                **self.light_state()}
+        return {**runstate.weights_state(self.objective.trainable(), self.optimizer, self.cfg.fsdp),
+                "precision": self.precision.state_dict(), "config": config_to_dict(self.cfg), **self.step_state()}
 
-    def light_state(self) -> dict:
-        return {"rng": rng_state(), "update": self.update, "cursor": self.cursor, "guard": self.guard.state_dict(),
-                "lr_scale": self.lr_scale}
+    def step_state(self) -> dict:
+        """What an update changes besides the weights and the optimizer: the run state and the data cursor."""
+        return {**runstate.step_state(self), "cursor": self.cursor}
 
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
@@ -133,37 +139,25 @@ class SupervisedTrainer:
 
     def load(self, state: dict) -> None:
         """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
-        if "trainable" in state:
-            with torch.no_grad():
-                for name, p in self.task.trainable():
-                    p.copy_(state["trainable"][name])
-            self.optimizer.load_state_dict(state["optimizer"])
+        runstate.load_weights(state, self.objective.trainable(), self.optimizer)
         self.precision.load_state_dict(state["precision"])
-        set_rng_state(state["rng"])
-        self.update, self.cursor = state["update"], state["cursor"]
-        self.guard.load_state_dict(state["guard"])
-        self.lr_scale = state["lr_scale"]
+        runstate.load_step_state(self, state)
+        self.cursor = state["cursor"]
 
     def rollback(self) -> None:
-        counts, scale = dict(self.guard.counts), self.lr_scale * self.cfg.rollback_lr_factor
-        distributed.barrier()  # rank 0's checkpoint is on disk
-        self.resume()
-        self.guard.counts.update(counts)
-        self.lr_scale = scale
-        if self.world.is_main:
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+        runstate.rollback(self, [self.run_dir / "metrics.jsonl"])
 
     # ---- one step ----------------------------------------------------------------------------------
     def next_batch(self) -> list:
         """The next batch_size items of an epoch-wise shuffled stream (permutation seeded by (seed, epoch));
         an epoch's last batch is the partial rest of it."""
-        n, epoch = len(self.task.train_items), self.cursor // len(self.task.train_items)
+        n, epoch = len(self.objective.train_items), self.cursor // len(self.objective.train_items)
         if self._order[0] != epoch:
             self._order = (epoch, np.random.default_rng([self.cfg.seed, epoch]).permutation(n))
         start = self.cursor % n
         idx = self._order[1][start:start + self.cfg.batch_size]
         self.cursor += len(idx)
-        return [self.task.train_items[i] for i in idx]
+        return [self.objective.train_items[i] for i in idx]
 
     def learning_rate(self) -> float:
         """Linear warm-up over the first `warmup` steps, then linear decay to 0 at the last step."""
@@ -177,8 +171,8 @@ class SupervisedTrainer:
         """The batch's gradients in .grad (micro-batches of `micro_batch` items, halved and redone on OOM);
         the batch-mean loss and stats. Micro-batches take the items in order of size, so each pads to
         less; the token-share weights make the sum the batch's gradient whatever the split."""
-        total = self.task.units(items)  # the whole (global) batch's units: the single-process weights
-        mine = sorted(items[distributed.uneven_shard(len(items))], key=self.task.size)  # this rank's
+        total = self.objective.units(items)  # the whole (global) batch's units: the single-process weights
+        mine = sorted(items[distributed.uneven_shard(len(items))], key=self.objective.size)  # this rank's
         # sharded, every rank runs as many micro-batches as the rank with the most items (FSDP's forward and
         # backward are collectives); a rank's extra ones are a real item weighted 0
         most = math.ceil(len(items) / self.world.size) if self.sharded else len(mine)  # uneven_shard's largest
@@ -186,13 +180,13 @@ class SupervisedTrainer:
 
         def attempt(n: int) -> tuple[torch.Tensor, dict]:
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum, stats = torch.zeros((), device=self.task.device), {}
+            loss_sum, stats = torch.zeros((), device=self.objective.device), {}
             with self.precision.weight_cache():
                 for s in range(0, math.ceil(most / n) * n, n):
                     micro = mine[s:s + n]
-                    share = token_share(self.task.units(micro).reshape(1), total) if micro else 0.0
+                    share = token_share(self.objective.units(micro).reshape(1), total) if micro else 0.0
                     with self.precision.autocast():
-                        loss, mb_stats = self.task.loss(micro or items[:1])
+                        loss, mb_stats = self.objective.loss(micro or items[:1])
                     self.precision.backward(loss * share * scale)
                     loss_sum += share * loss.detach()
                     for k, v in mb_stats.items():
@@ -207,8 +201,8 @@ class SupervisedTrainer:
         in one all-reduce; as they are at world 1."""
         if not distributed.collectives():
             return loss, stats
-        keys = self.task.stat_keys  # declared, not read from this rank's data: a rank without items has none
-        zero = torch.zeros((), device=self.task.device)
+        keys = self.objective.stat_keys  # declared, not read from this rank's data: a rank without items has none
+        zero = torch.zeros((), device=self.objective.device)
         extra = torch.stack([loss.reshape(()), *(torch.as_tensor(stats.get(k, zero), device=zero.device)
                                                  .reshape(()).to(zero) for k in keys)]).float()
         # one all-reduce (sharded: of the loss and stats alone, FSDP reduced the gradients in backward)
@@ -230,8 +224,8 @@ class SupervisedTrainer:
         metrics = {"train/loss": loss, "train/grad_norm": norm, **{f"train/{k}": v for k, v in stats.items()}}
         metrics = {k: float(v) for k, v in metrics.items()}
         elapsed = time.perf_counter() - start
-        units = float(self.task.units(items))
-        metrics.update({"lr": lr, "epoch": self.cursor / len(self.task.train_items), **self.guard.counts,
+        units = float(self.objective.units(items))
+        metrics.update({"lr": lr, "epoch": self.cursor / len(self.objective.train_items), **self.guard.counts,
                         "guard/micro_batch_size": self.micro_batch, "perf/units_per_s": units / elapsed,
                         "perf/step_s": elapsed, "perf/world_size": self.world.size})
         return metrics
@@ -239,13 +233,13 @@ class SupervisedTrainer:
     # ---- the run -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def evaluate(self) -> dict:
-        """The held-out metrics; under torchrun each rank scores its slice and the task combines them."""
-        items = self.task.eval_items
+        """The held-out metrics; under torchrun each rank scores its slice and the objective combines them."""
+        items = self.objective.eval_items
         if not items:
             return {}
         with self.precision.autocast():  # sharded, every rank scores every item (FSDP's lockstep)
-            metrics = self.task.evaluate(items if self.sharded else items[distributed.uneven_shard(len(items))])
-        self.task.release()
+            metrics = self.objective.evaluate(items if self.sharded else items[distributed.uneven_shard(len(items))])
+        self.objective.release()
         return metrics
 
     def run(self) -> dict:
@@ -277,7 +271,7 @@ class SupervisedTrainer:
                     self.run_guard.save()
             stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
             if self.update == self.total_steps and not stopped and (main or self.sharded):
-                self.task.export(self.run_dir / "model")  # sharded, every rank takes part in gathering
+                self.objective.export(self.run_dir / "model")  # sharded, every rank takes part in gathering
         finally:
             progress.close()
             logger.close()
@@ -288,10 +282,8 @@ class SupervisedTrainer:
 
 
 def prepare(cfg: SupervisedConfig):
-    """What a task needs before it builds its model: threads and seeds set; (the device, the tokenizer:
-    `cfg.tokenizer`, else the model's own)."""
-    from ppoforge.lm.models.loading import load_tokenizer
-
+    """What an objective needs before it builds its model: threads and seeds set; (the device, the
+    tokenizer: `cfg.tokenizer`, else the model's own)."""
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
@@ -306,8 +298,6 @@ def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[l
     """(training items, held-out items, held-out rows, the data's name, its Drops): `cfg.data` and
     `cfg.eval_data` (else the held-out share of `data`) read, each row made an item by
     `build(rows, where, tokenizer, max_length, strict)`, the rows left out reported."""
-    from ppoforge.lm.supervised.examples import read_rows
-
     rows, where = read_rows(cfg.data, cfg.data_split)
     if cfg.eval_data:
         train_rows, (eval_rows, eval_where) = rows, read_rows(cfg.eval_data, cfg.data_split)

@@ -33,7 +33,7 @@ from ppoforge.runtime.fsdp import shard_model
 from ppoforge.runtime.precision import make_precision
 
 
-class RewardTask:
+class RewardObjective:
     name = "reward"
     stat_keys = ("accuracy", "gap")  # what `loss` (bradley_terry_loss) returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
@@ -137,7 +137,7 @@ def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
 
 def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
-    trainer = SupervisedTrainer(cfg, run_dir, RewardTask(cfg, run_dir))
+    trainer = SupervisedTrainer(cfg, run_dir, RewardObjective(cfg, run_dir))
     if resume:
         trainer.resume()
     return trainer.run()

@@ -31,7 +31,7 @@ from ppoforge.runtime.fsdp import full_weights, reshard, shard_model
 from ppoforge.runtime.precision import make_precision
 
 
-class SFTTask:
+class SFTObjective:
     name = "sft"
     stat_keys = ("accuracy_proxy",)  # what `loss` returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
@@ -158,7 +158,7 @@ def _prompt_of(row: dict):
 
 def train(cfg: SFTConfig, run_dir: Path, resume: bool = False) -> dict:
     """Fine-tune (or, with resume, continue) in `run_dir`; the model is exported to run_dir/model."""
-    trainer = SupervisedTrainer(cfg, run_dir, SFTTask(cfg, run_dir))
+    trainer = SupervisedTrainer(cfg, run_dir, SFTObjective(cfg, run_dir))
     if resume:
         trainer.resume()
     return trainer.run()
