@@ -97,7 +97,7 @@ def main() -> None:
     trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(run_dir.name))
     setup_s = time.perf_counter() - t_setup
     # Both frameworks must see the same prompt token ids (this also proves the right tokenizer loaded).
-    same = sorted(map(list, trainer.parts.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
+    same = sorted(map(list, trainer.inputs.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
     assert same, "ppoforge tokenized the workload prompts differently from the TRL side"
 
     gaps, cpu = [], []  # wall and process-CPU seconds per update

@@ -334,9 +334,9 @@ def test_a_hung_reward_times_out_with_one_line_and_a_checkpoint(capsys, tmp_path
 
 def test_sigterm_wins_inside_a_hung_reward(capsys, tmp_path, tiny_model, reward_module, monkeypatch):
     monkeypatch.setenv("REWARD_MODE", "hang")
-    from ppoforge.lm.rl import trainer as lm_trainer
+    from ppoforge.lm.rl.collect import SingleTurn
 
-    run, calls, real_score = tmp_path / "run", [], lm_trainer.RLHFTrainer.score
+    run, calls, real_score = tmp_path / "run", [], SingleTurn.score
 
     def score_and_maybe_term(self, *args):
         calls.append(1)
@@ -344,7 +344,7 @@ def test_sigterm_wins_inside_a_hung_reward(capsys, tmp_path, tiny_model, reward_
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
         return real_score(self, *args)
 
-    monkeypatch.setattr(lm_trainer.RLHFTrainer, "score", score_and_maybe_term)
+    monkeypatch.setattr(SingleTurn, "score", score_and_maybe_term)
     start = time.monotonic()
     code = main(_rlhf_args(tiny_model, run, reward_module, "--total-updates", "5"))
     assert code == 0 and time.monotonic() - start < 60
@@ -410,7 +410,7 @@ def test_an_oom_in_a_micro_batch_halves_it_with_the_same_result(tmp_path, tiny_m
         trainer.optimizer = torch.optim.SGD(trainer.params, lr=0.1)
         for _ in range(2):
             metrics, _ = trainer.train_one_update()
-    assert oom.micro_batch == 2 and planned.micro_batch == 4 and metrics["guard/micro_batch_size"] == 2
+    assert oom.ppo.micro_batch == 2 and planned.ppo.micro_batch == 4 and metrics["guard/micro_batch_size"] == 2
     for (name, a), (_, b) in zip(planned.layout.named_trainable(), oom.layout.named_trainable(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
@@ -423,8 +423,8 @@ def test_an_oom_in_generation_halves_the_generation_batch_with_the_same_draws(tm
                   mini_batch_size=8, micro_batch_size=8, max_new_tokens=5, progress=False, tensorboard=False,
                   device="cpu")
     trainer = RLHFTrainer(build_config(RLHFConfig, values), tmp_path)
-    rows = trainer.parts.prompt_ids[:8]
-    want = trainer.generate(rows, torch.Generator().manual_seed(3))[2]
+    rows = trainer.inputs.prompt_ids[:8]
+    want = trainer.collector.generate(rows, torch.Generator().manual_seed(3))[2]
     with trainer.layout.decoder() as decoder:
         prefill = decoder.prefill
 
@@ -434,9 +434,9 @@ def test_an_oom_in_generation_halves_the_generation_batch_with_the_same_draws(tm
             return prefill(ids, mask, n)
 
         decoder.prefill = prefill_that_runs_out
-        got = trainer.generate(rows, torch.Generator().manual_seed(3))[2]
+        got = trainer.collector.generate(rows, torch.Generator().manual_seed(3))[2]
         decoder.prefill = prefill
-    assert trainer.gen_batch == 2
+    assert trainer.collector.gen_batch == 2
     assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
     torch.testing.assert_close(got.logp, want.logp, atol=1e-5, rtol=0)
 

@@ -239,7 +239,7 @@ def lm_smoke_run(device: str, precision: str, run_dir: Path) -> str:
         _expect(second.updates == first.updates + 1, f"resume ran to update {second.updates}")
     finally:
         torch.set_num_threads(threads)
-    return (f"tiny Qwen2 (hidden 32, 2 layers) PPO on {trainer.parts.device} / {precision}, LoRA layout: "
+    return (f"tiny Qwen2 (hidden 32, 2 layers) PPO on {trainer.inputs.device} / {precision}, LoRA layout: "
             f"{first.updates} updates, {rows} metric rows with finite losses, LoRA + value head changed, "
             f"base/reference unchanged, checkpoint {ckpt.stat().st_size // 1024} KiB; resumed at update "
             f"{first.updates} and ran to update {second.updates}")

@@ -14,7 +14,8 @@ from ppoforge.core.stats import whiten
 from ppoforge.lm.envs.protocol import EnvStep
 from ppoforge.lm.models.attention import causal_mask, position_ids
 from ppoforge.lm.models.decoders import HFDecoder, LlamaDecoder
-from ppoforge.lm.rl.rollout import Rollout, advantages, gae_estimate, with_scores
+from ppoforge.lm.rl.estimators import advantages, gae_estimate
+from ppoforge.lm.rl.rollout import Rollout, with_scores
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)

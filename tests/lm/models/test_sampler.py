@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ppoforge.lm.models.attention import causal_mask, position_ids
 from ppoforge.lm.models.decoders import HFDecoder, LlamaDecoder
 from ppoforge.lm.models.logprobs import token_logprobs
-from ppoforge.lm.models.sampler import SamplingParams, _draw, filter_logits, sample
+from ppoforge.lm.models.sampler import SamplingParams, draw_tokens, filter_logits, sample
 
 EOS, PAD, VOCAB = 2, 0, 16
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -128,12 +128,12 @@ def test_draws_follow_the_temperature_scaled_softmax():
     n, tau = 40_000, 0.5
     logits = torch.log(torch.tensor([0.1, 0.2, 0.7])).repeat(n, 1)
     u = torch.rand(n, generator=torch.Generator().manual_seed(0))
-    tok, logp = _draw(logits, SamplingParams(1, temperature=tau), u)
+    tok, logp = draw_tokens(logits, SamplingParams(1, temperature=tau), u)
     expected = torch.softmax(logits[0] / tau, -1)  # (0.1^2, 0.2^2, 0.7^2) / 0.54
     freq = torch.bincount(tok, minlength=3).float() / n
     torch.testing.assert_close(freq, expected, atol=0.01, rtol=0)
     torch.testing.assert_close(logp, expected.log()[tok], atol=1e-6, rtol=0)
-    top1, _ = _draw(logits[:100], SamplingParams(1, temperature=tau, top_k=1), u[:100])
+    top1, _ = draw_tokens(logits[:100], SamplingParams(1, temperature=tau, top_k=1), u[:100])
     assert (top1 == 2).all()
 
 

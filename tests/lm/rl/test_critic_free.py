@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import ppoforge.lm.rl.trainer as trainer_module
+import ppoforge.lm.rl.update as update_module
 from ppoforge.cli import main
 from ppoforge.config import build_config
 from ppoforge.core.critic_free import grpo_advantages, rloo_advantages
@@ -87,7 +87,7 @@ def test_critic_free_estimators_train_without_a_critic(cfg_for, tmp_path, overri
 @pytest.mark.parametrize("advantage", ["gae", "grpo"])
 def test_no_value_head_call_and_no_value_loss_without_a_critic(cfg_for, tmp_path, monkeypatch, layout, advantage):
     calls = {"head": 0, "loss": 0}
-    head_forward, loss = ValueHead.forward, trainer_module.value_loss
+    head_forward, loss = ValueHead.forward, update_module.value_loss
 
     def counted_head(self, hidden):
         calls["head"] += 1
@@ -98,7 +98,7 @@ def test_no_value_head_call_and_no_value_loss_without_a_critic(cfg_for, tmp_path
         return loss(*args, **kwargs)
 
     monkeypatch.setattr(ValueHead, "forward", counted_head)
-    monkeypatch.setattr(trainer_module, "value_loss", counted_loss)
+    monkeypatch.setattr(update_module, "value_loss", counted_loss)
     trainer = RLHFTrainer(cfg_for(layout=layout, advantage=advantage, learning_rate=1e-3), tmp_path,
                           reward_fn=index_reward)
     metrics, _ = trainer.train_one_update()
@@ -141,13 +141,13 @@ def test_group_statistics_see_the_whole_rollout_before_the_shuffle(cfg_for, tmp_
                   micro_batch_size=4)
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
     seen, rollouts = [], []
-    loss, update = trainer_module.policy_loss, trainer.ppo_update
+    loss, update = update_module.policy_loss, trainer.ppo_update
 
     def spy_loss(logp, old_logp, adv, *args, **kwargs):
         seen.append((old_logp.detach().clone(), adv.detach().clone()))
         return loss(logp, old_logp, adv, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "policy_loss", spy_loss)
+    monkeypatch.setattr(update_module, "policy_loss", spy_loss)
     trainer.ppo_update = lambda b: (rollouts.append(b), update(b))[1]
     _, table = trainer.train_one_update()
     assert [r["prompt"] for r in table[:4]] == [table[0]["prompt"]] * 4 != [r["prompt"] for r in table[4:]]
@@ -287,7 +287,7 @@ def test_one_step_rollouts_take_old_logprobs_from_the_update_itself(cfg_for, tmp
     shape = dict(layout=layout, mini_batch_size=8, kl_in="loss", kl_estimator="k3", learning_rate=1e-3)
     fast = RLHFTrainer(cfg_for(**shape), tmp_path / "fast", reward_fn=index_reward)
     slow = RLHFTrainer(cfg_for(**shape, old_logprobs="recompute"), tmp_path / "slow", reward_fn=index_reward)
-    assert fast.on_policy and not slow.on_policy
+    assert fast.cfg.on_policy and not slow.cfg.on_policy
     calls = []
     original = fast.layout.forward
     fast.layout.forward = lambda *a: (calls.append(torch.is_grad_enabled()), original(*a))[1]
@@ -306,14 +306,14 @@ def test_k3_kl_in_the_loss_ignores_what_sits_on_padding(cfg_for, tmp_path, monke
     cfg = cfg_for(kl_in="loss", kl_estimator="k3", kl_coef=0.04, stop_tokens=",".join(str(i) for i in range(40, 400)),
                   total_updates=1)
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
-    pad, logprobs, padded = trainer.tokenizer.pad_token_id, trainer_module.token_logprobs, []
+    pad, logprobs, padded = trainer.tokenizer.pad_token_id, update_module.token_logprobs, []
 
     def unlikely_padding(logits, targets, temperature):
         logp, entropy = logprobs(logits, targets, temperature)
         padded.append(int((targets == pad).sum()))
         return logp - 200.0 * (targets == pad), entropy
 
-    monkeypatch.setattr(trainer_module, "token_logprobs", unlikely_padding)
+    monkeypatch.setattr(update_module, "token_logprobs", unlikely_padding)
     metrics, _ = trainer.train_one_update()
     assert sum(padded) > 0  # the case exists
     assert metrics["guard/skipped_steps"] == 0

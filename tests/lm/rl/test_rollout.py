@@ -1,4 +1,4 @@
-"""Per-token rewards and GAE over responses, against a plain Python loop per response.
+"""Per-token rewards and GAE over responses, against a plain Python loop per response; the estimator records.
 
 Three responses of width 5: EOS first (1 real token), EOS in the middle (3), never (5: cut by the
 length limit). The naive loop walks each response's real tokens only, backwards:
@@ -12,9 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ppoforge.config import build_config
 from ppoforge.core.stats import whiten
+from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import left_pad
-from ppoforge.lm.rl.rollout import ESTIMATORS, Rollout, advantages, token_rewards
+from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.rl.estimators import ESTIMATORS, advantages
+from ppoforge.lm.rl.rollout import Rollout, non_score_rewards, with_scores
 
 LENGTHS = [1, 3, 5]
 
@@ -26,6 +30,12 @@ def _batch(seed=0):
     values = torch.randn(3, 5, generator=gen, dtype=torch.float64) * mask
     scores = torch.tensor([0.7, -1.2, 2.5], dtype=torch.float64)
     return scores, kl, values, mask.double()
+
+
+def token_rewards(scores, kl, mask, beta):
+    """Ziegler et al.'s per-token rewards as the trainer builds them: (rewards, non-score rewards)."""
+    non_score = non_score_rewards(kl, mask, beta)
+    return with_scores(non_score, scores, mask), non_score
 
 
 def _naive(scores, kl, values, beta, gamma, lam):
@@ -90,7 +100,31 @@ def test_the_whole_return_is_centred_whether_it_comes_as_turn_rewards_or_as_scor
     as_turns[:, 3] = returns
     cfg = SimpleNamespace(num_generations=2, reward_scale="group" if advantage == "grpo" else "none", gamma=1.0)
     non_score = torch.zeros(4, 4)
-    by_score, _ = ESTIMATORS[advantage](_multiturn_rollout(returns, None), non_score, cfg)
-    by_turn, _ = ESTIMATORS[advantage](_multiturn_rollout(torch.zeros(4), as_turns), non_score, cfg)
+    by_score, _ = ESTIMATORS[advantage].estimate(_multiturn_rollout(returns, None), non_score, cfg)
+    by_turn, _ = ESTIMATORS[advantage].estimate(_multiturn_rollout(torch.zeros(4), as_turns), non_score, cfg)
     torch.testing.assert_close(by_turn, by_score)
     assert by_score[2:].abs().max() < 1e-6 < by_score[:2].abs().max()  # group 2's equal returns: no signal
+
+
+def test_the_config_reads_the_estimator_records():
+    """Choices, critic, groups and allowed scalings come from `ESTIMATORS`: PPO (gae) alone has a critic,
+    the group estimators refuse G = 1, a scaling is refused where the record does not allow it."""
+    assert RLHFConfig.__dataclass_fields__["advantage"].metadata["choices"] == tuple(ESTIMATORS)
+    for name, est in ESTIMATORS.items():
+        cfg = build_config(RLHFConfig, dict(advantage=name, num_generations=2, batch_size=8, mini_batch_size=16))
+        assert cfg.estimator is est and cfg.has_critic == (name == "gae") == est.critic
+        assert cfg.curve_title == f"{est.title} lora" and ("loss/value_avg" in cfg.stat_keys[0]) == est.critic
+        if est.groups:
+            with pytest.raises(UserError, match=f"num_generations: 1 with advantage {name}"):
+                build_config(RLHFConfig, dict(advantage=name))
+        for scale in ("group", "batch", "none"):
+            values = dict(advantage=name, num_generations=2, batch_size=8, mini_batch_size=16, scale_rewards=scale,
+                          kl_in="loss", kl_estimator="k3")
+            if scale in est.scales:
+                assert build_config(RLHFConfig, values).reward_scale == scale
+            else:
+                with pytest.raises(UserError, match=f"^scale_rewards: {scale} "):
+                    build_config(RLHFConfig, values)
+    assert [ESTIMATORS[n].title for n in ("gae", "grpo")] == ["PPO", "GRPO"]
+    episodes = build_config(RLHFConfig, dict(env="guess_number", reward="env"))
+    assert episodes.curve_title == "PPO lora, guess_number episodes"

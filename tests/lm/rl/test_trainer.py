@@ -104,9 +104,10 @@ def test_modules_stay_in_eval_mode_with_dropout_off(cfg_for, tmp_path, layout):
 
 def _fast_and_plain(trainer):
     """A fresh rollout's (old logp, values, ref logp) from the fast path and from training forwards."""
-    ids, prompt_mask, samples = trainer.generate(trainer.parts.prompt_ids[:4], torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    ids, prompt_mask, samples = trainer.collector.generate(trainer.inputs.prompt_ids[:4], gen)
     mask = torch.cat([prompt_mask.float(), samples.response_mask], 1)
-    sc = trainer.scoring
+    sc = trainer.passes
     with torch.inference_mode(), trainer.precision.autocast():
         ref_fast = sc.layout.fast_ref_forward or sc.layout.ref_forward
         fast = (*sc._policy_fast(ids, mask, samples), sc._reference(ids, mask, samples, ref_fast))
@@ -125,11 +126,11 @@ def test_update_one_is_exactly_on_policy_and_at_the_reference(cfg_for, tmp_path,
     cfg = cfg_for(layout=layout, precision=precision, attn_implementation=attn,
                   learning_rate=1e-3 if layout == "full" else 1e-2)
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
-    assert trainer.policy_attention() == attn and trainer.scoring.fast_policy is None
+    assert trainer.policy_attention() == attn and trainer.passes.fast_policy is None
     metrics, _ = trainer.train_one_update()  # 1 epoch, 1 mini-batch: the first forward sees the old policy
     assert metrics["val/ratio"] == 1 and metrics["policy/approxkl_avg"] == 0
     assert metrics["policy/clipfrac_avg"] == 0 and metrics["objective/kl"] == 0
-    fast_policy, fast_ref = trainer.scoring.fast_policy, trainer.scoring.fast_reference
+    fast_policy, fast_ref = trainer.passes.fast_policy, trainer.passes.fast_reference
     assert fast_policy in (True, False) and fast_ref in (True, False)  # decided on the first rollout
     if precision == "bf16" and attn == "eager":  # where the kernels agree (torch 2.6 and 2.13 on CPU)
         assert fast_policy and fast_ref == (layout != "full")
@@ -147,10 +148,10 @@ def test_update_one_is_exactly_on_policy_and_at_the_reference(cfg_for, tmp_path,
 
 def test_auto_falls_back_to_recomputing_when_the_sampler_is_off(cfg_for, tmp_path, capsys):
     trainer = RLHFTrainer(cfg_for(precision="bf16"), tmp_path, reward_fn=word_reward)
-    fast = trainer.scoring._policy_fast
-    trainer.scoring._policy_fast = lambda *a: (lambda logp, v: (logp + 1e-4, v))(*fast(*a))
+    fast = trainer.passes._policy_fast
+    trainer.passes._policy_fast = lambda *a: (lambda logp, v: (logp + 1e-4, v))(*fast(*a))
     metrics, _ = trainer.train_one_update()
-    assert trainer.scoring.fast_policy is False and trainer.scoring.fast_reference is True
+    assert trainer.passes.fast_policy is False and trainer.passes.fast_reference is True
     assert metrics["val/ratio"] == 1 and metrics["objective/kl"] == 0
     err = capsys.readouterr().err
     assert err.count("the fast policy path differs from the training forward (log-probs by up to 0.0001)") == 1
@@ -163,13 +164,13 @@ def test_old_logprobs_sampler_and_recompute_are_taken_as_asked(cfg_for, tmp_path
     trainer = RLHFTrainer(cfg_for(old_logprobs=mode), tmp_path, reward_fn=word_reward)
     calls = {"_policy_fast": 0, "_policy_plain": 0}
     for name in calls:
-        method = getattr(trainer.scoring, name)
-        setattr(trainer.scoring, name, lambda *a, name=name, method=method: calls.__setitem__(
+        method = getattr(trainer.passes, name)
+        setattr(trainer.passes, name, lambda *a, name=name, method=method: calls.__setitem__(
             name, calls[name] + 1) or method(*a))
     trainer.train_one_update()
     assert calls == ({"_policy_fast": 1, "_policy_plain": 0} if mode == "sampler"
                      else {"_policy_fast": 0, "_policy_plain": 1})
-    assert trainer.scoring.fast_reference == (mode == "sampler")
+    assert trainer.passes.fast_reference == (mode == "sampler")
 
 
 @pytest.mark.parametrize("decoder", ["lean", "hf"])

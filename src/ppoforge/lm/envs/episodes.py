@@ -24,17 +24,14 @@ the episode's last policy token, like a reward function's score in single-turn r
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from ppoforge.lm.envs.chat import ChatRenderer, prefix_preserving
-from ppoforge.lm.envs.loading import load_env
 from ppoforge.lm.envs.protocol import EnvStep, as_messages
 from ppoforge.lm.models.attention import left_pad
 from ppoforge.lm.models.decoders import Decoder
-from ppoforge.lm.models.sampler import Samples, SamplingParams, _draw
+from ppoforge.lm.models.sampler import Samples, SamplingParams, draw_tokens
 
 END_REASONS = ("done", "max_turns", "budget")
 
@@ -142,7 +139,7 @@ def _policy_turn(decoder: Decoder, logits: torch.Tensor, states: list[_Row], liv
     generating = torch.zeros(batch, dtype=torch.bool, device=device)
     generating[live] = True
     for t in range(params.max_new_tokens):
-        tok, logp = _draw(logits, params, uniforms[t].to(device))
+        tok, logp = draw_tokens(logits, params, uniforms[t].to(device))
         recorded = generating.clone()
         for i in recorded.nonzero()[:, 0].tolist():
             states[i].add_policy(int(tok[i]), float(logp[i]))
@@ -233,32 +230,6 @@ def _assemble(states: list[_Row], renderer, prompt_ids, prompt_mask, params: Sam
 
 def _transcript(messages: list[dict]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-
-
-class Episodic:
-    """The trainer's side of multi-turn rollouts: the environment factory, the renderer, the budgets."""
-
-    def __init__(self, cfg, tokenizer):
-        self.factory = load_env(cfg.env, cfg.call_timeout)
-        self.renderer = ChatRenderer(tokenizer, cfg.end_check)
-        self.budgets = Budgets(cfg.max_turns, cfg.episode_tokens, cfg.max_env_tokens, cfg.env_overflow)
-        self.max_prompt_tokens = cfg.max_prompt_tokens
-        preserving, why = prefix_preserving(tokenizer)
-        if not preserving:
-            print(f"ppoforge: the chat template of {cfg.model} is not prefix-preserving ({why}): environment "
-                  "tokens rendered as template diffs will not match the template's rendering of whole "
-                  "conversations (end_check counts or refuses them)", file=sys.stderr)
-
-    def uniforms(self, n: int, generator: torch.Generator, params: SamplingParams) -> torch.Tensor:
-        """(max_turns * max_new_tokens, n) sampling uniforms: one per turn, decode step and row."""
-        return torch.rand(self.budgets.max_turns * params.max_new_tokens, n, generator=generator,
-                          device=generator.device)
-
-    def play(self, decoder: Decoder, rows: list[dict], seeds: list[int], uniforms: torch.Tensor,
-             params: SamplingParams, device) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
-        """One episode per row with a fresh environment (see `run_episodes`)."""
-        return run_episodes(decoder, self.renderer, [self.factory() for _ in rows], rows, seeds, params,
-                            self.budgets, uniforms, self.max_prompt_tokens, device)
 
 
 def episode_metrics(ep: Episodes) -> dict[str, float]:

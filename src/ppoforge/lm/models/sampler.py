@@ -64,8 +64,9 @@ def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return z
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row by inverting the CDF at u (B,) ~ U[0, 1), and its log-prob.
+def draw_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row by inverting the CDF at u (B,) ~ U[0, 1), and its log-prob (the decode step of
+    `sample` and of multi-turn episodes, `lm/envs/episodes.py`).
 
     Inversion needs B random numbers per step where Gumbel-max or torch.multinomial need B * V, and
     CPU random number generation costs more than the cumsum.
@@ -80,11 +81,13 @@ def _draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tupl
     return tok.squeeze(1), logp_all.gather(1, tok).squeeze(1)
 
 
-def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The (max_new_tokens, B) uniforms a batch's sampling consumes: one per row and step. Drawn up front,
-    so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws."""
+def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator | None = None, turns: int = 1
+                  ) -> torch.Tensor:
+    """The (turns * max_new_tokens, B) uniforms a batch's sampling consumes: one per row, turn and step (turn
+    k's step t is row k * max_new_tokens + t; one turn for `sample`, `max_turns` for episodes). Drawn up
+    front, so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws."""
     device = generator.device if generator is not None else "cpu"
-    return torch.rand(params.max_new_tokens, batch, generator=generator, device=device)
+    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device)
 
 
 @torch.inference_mode()
@@ -109,7 +112,7 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
         uniforms = draw_uniforms(params, batch, generator)
     uniforms = uniforms.to(dev)
     for t in range(n_new):
-        tok, logp[:, t] = _draw(logits, params, uniforms[t])
+        tok, logp[:, t] = draw_tokens(logits, params, uniforms[t])
         ids[:, t] = tok
         if hiddens is not None:
             hiddens[:, t] = hidden

@@ -17,24 +17,28 @@ from dataclasses import dataclass
 import torch
 
 from ppoforge.errors import UserError
+from ppoforge.lm.data.prompts import load_prompts, render_prompt
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
+from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 from ppoforge.lm.models.parts import cast_linears
 from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.rl.rewards import build_reward, score
+from ppoforge.runtime import distributed
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.precision import Precision, make_precision
+from ppoforge.runtime.precision import Precision, make_precision, resolve_precision
 
 
 @dataclass
-class Components:
+class RunInputs:
     device: torch.device
     precision: Precision
     tokenizer: object
     layout: Layout
     stop_ids: tuple[int, ...]
-    rows: list[dict]                 # training prompt rows
+    prompt_rows: list[dict]          # training prompt rows
     prompt_ids: list[list[int]]      # their rendered, tokenized, truncated prompts
-    heldout_rows: list[dict]
-    heldout_ids: list[list[int]]
+    heldout_prompt_rows: list[dict]
+    heldout_prompt_ids: list[list[int]]
     score: Callable | None           # (prompts, completions, finished, rows) -> (B,) float32 scores; None
     #                                  with an env (it scores its episodes, and renders their prompts)
 
@@ -61,8 +65,6 @@ def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
 
 def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_tokens: int) -> list[list[int]]:
     """Render each prompt (chat template when asked and available), tokenize, keep the last max_tokens."""
-    from ppoforge.lm.data.prompts import render_prompt
-
     templated = chat and bool(tokenizer.chat_template)
     texts = [render_prompt(tokenizer, r[field], chat) for r in rows]
     encoded = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
@@ -95,15 +97,10 @@ def fsdp_precision(cfg: RLHFConfig, device: torch.device) -> str | None:
     """The precision FSDP2 casts to (fp32 or bf16) when this run shards its models, else None: with
     `fsdp` under torchrun (world > 1). At world 1 `fsdp` trains the plain full layout (only the checkpoint
     format differs), so a run can move between world sizes."""
-    from ppoforge.runtime import distributed
-    from ppoforge.runtime.precision import resolve_precision
-
     return resolve_precision(cfg.precision, device) if cfg.fsdp and distributed.world().size > 1 else None
 
 
 def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) -> Layout:
-    from ppoforge.lm.models.loading import load_causal_lm, load_reward_model
-
     kw = {"tokenizer": tokenizer, "attn_implementation": attn}
     if cfg.layout in ("lora", "lora-critic"):
         base = load_causal_lm(cfg.model, frozen_dtype, device, **kw)
@@ -126,11 +123,8 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) 
     return layout
 
 
-def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
-    from ppoforge.lm.data.prompts import load_prompts
-    from ppoforge.lm.models.loading import load_tokenizer
-    from ppoforge.lm.rl.rewards import build_reward, score
-
+def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
+    """The run's inputs: device, precision, tokenizer, layout, stop tokens, prompts, reward."""
     device = resolve_device(cfg.device)
     # sharded, FSDP casts the weights itself (MixedPrecisionPolicy) in place of autocast
     precision = make_precision("fp32" if fsdp_precision(cfg, device) else cfg.precision, device)
@@ -146,7 +140,7 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if cfg.env:  # the environment's reset() gives each episode's first messages, and it scores the episode
-        return Components(device, precision, tokenizer, layout, stops, rows, [[] for _ in rows], heldout,
+        return RunInputs(device, precision, tokenizer, layout, stops, rows, [[] for _ in rows], heldout,
                           [[] for _ in heldout], None)
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
@@ -154,5 +148,5 @@ def build_components(cfg: RLHFConfig, reward_fn=None) -> Components:
         name = cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
-    return Components(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
+    return RunInputs(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
                       encode(heldout) if heldout else [], functools.partial(score, reward_fn, name))

@@ -1,5 +1,7 @@
-"""The RLHF trainer's config, flat: RLHFConfig (PPO, TRL's PPOConfig defaults where they exist). Kept apart
-from the trainer so the CLI can build its parsers without importing it."""
+"""The RLHF trainer's config, flat: RLHFConfig (PPO, TRL's PPOConfig defaults where they exist), its
+validation and the values derived from it (which estimator, critic, KL placement, one-step rollouts, the
+stats an update reports), computed here once. Kept apart from the trainer so the CLI can build its parsers
+without importing it (the estimator records it reads are pure tensor math: `lm/rl/estimators.py`)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,19 @@ from ppoforge.core.accumulation import LOSS_AGGREGATIONS
 from ppoforge.core.critic_free import SCALES
 from ppoforge.core.kl import KL_ESTIMATORS
 from ppoforge.errors import UserError
+from ppoforge.lm.rl.estimators import ESTIMATORS, Estimator
 from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
 from ppoforge.runtime.resilience import FaultConfig
 
 LAYOUTS = ("lora", "lora-critic", "full")  # see lm/models/layouts.py
 SCORING_MODES = ("auto", "sampler", "recompute")  # see lm/rl/passes.py
-ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # see lm/rl/rollout.py
-GROUP_ADVANTAGES = ("grpo", "rloo", "reinforce_pp_baseline")  # baselines from each prompt's G completions
+# the stats a PPO update reports (lm/rl/update.py): loss stats weighted by the micro-batch's share of the loss
+# units, the others by its share of the tokens; without a critic no value stats, `kl` with kl_in: loss only
+LOSS_KEYS = ("loss/policy_avg", "loss/value_avg")
+TOKEN_KEYS = ("policy/entropy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio",
+              "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
+CRITIC_KEYS = ("loss/value_avg", "val/clipfrac_avg")
 MAX_ROLLOUT_TOKENS = 2**26  # the model-specific memory check comes when the model is known (lm/rl/build.py)
 
 
@@ -89,7 +96,7 @@ class RLHFConfig(FaultConfig):
     advantage: str = param("gae", "advantage estimator: gae (PPO, with a critic); critic-free: grpo and rloo "
                            "(each prompt's num_generations completions as baseline), reinforce_pp (REINFORCE++: "
                            "whitened reward-to-go), reinforce_pp_baseline (group-centered score, then that)",
-                           choices=ADVANTAGES)
+                           choices=tuple(ESTIMATORS))
     num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
                                  "each prompt's G in a row", lo=1, hi=65536)
     scale_rewards: str = param("auto", "grpo: divide advantages by each group's reward std (group), the batch's "
@@ -154,24 +161,56 @@ class RLHFConfig(FaultConfig):
                                            + (self.max_turns - 1) * self.max_env_tokens)
 
     @property
+    def estimator(self) -> Estimator:
+        """The `advantage` estimator's record (lm/rl/estimators.py)."""
+        return ESTIMATORS[self.advantage]
+
+    @property
     def has_critic(self) -> bool:
         """Only GAE learns a value function; the critic-free estimators build no critic at all."""
-        return self.advantage == "gae"
+        return self.estimator.critic
 
     @property
     def reward_scale(self) -> str:
-        """`scale_rewards` resolved: auto is group for grpo (TRL's default) — batch when the KL is in the reward,
-        whose per-group std would be KL noise (see `_check_estimator`) —, none for the rest (RLOO's paper)."""
+        """`scale_rewards` resolved: auto is the estimator's default (group for grpo, TRL's; none for rloo, its
+        paper's) — batch in place of group when the KL is in the reward, whose per-group std would be KL noise
+        (see `_check_estimator`)."""
         if self.scale_rewards != "auto":
             return self.scale_rewards
-        if self.advantage != "grpo":
-            return "none"
-        return "batch" if self.kl_in_reward else "group"
+        default = self.estimator.default_scale
+        return "batch" if default == "group" and self.kl_in_reward else default
 
     @property
     def kl_in_reward(self) -> bool:
         """The rewards carry -beta * KL_t (kl_in: reward with a reference pass)."""
         return self.kl_in == "reward" and self.kl_coef > 0
+
+    @property
+    def kl_loss(self) -> bool:
+        """The loss carries beta * KL_t of the current policy (kl_in: loss with a reference pass), GRPO's."""
+        return self.kl_in == "loss" and self.kl_coef > 0
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout, no critic, no KL in the rewards: the update's own forward is the
+        sampling policy, so its detached log-probs are the old ones, exactly (ratio 1; TRL's GRPO does the
+        same) and no rollout pass computes them."""
+        return (self.old_logprobs == "auto" and not self.has_critic and self.ppo_epochs == 1
+                and self.mini_batch_size == self.rollout_size and (self.kl_in == "loss" or self.kl_coef == 0))
+
+    @property
+    def stat_keys(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(loss keys, token keys) an update reports: no critic, no value stats; `kl` with kl_in: loss only."""
+        dropped = set() if self.has_critic else set(CRITIC_KEYS)
+        if not self.kl_loss:
+            dropped.add("kl")
+        return tuple(k for k in LOSS_KEYS if k not in dropped), tuple(k for k in TOKEN_KEYS if k not in dropped)
+
+    @property
+    def curve_title(self) -> str:
+        """The reward/KL plot's title, e.g. "PPO lora" or "GRPO lora, guess_number?hi=8 episodes"."""
+        title = f"{self.estimator.title} {self.layout}"
+        return f"{title}, {self.env} episodes" if self.env else title
 
     def finalize(self) -> None:
         check_device_name(self.device)
@@ -222,19 +261,26 @@ class RLHFConfig(FaultConfig):
             raise UserError(f"reward: {self.reward!r} with env {self.env!r}, which scores its own episodes; "
                             "allowed: env")
 
+    def _check_scale(self, est: Estimator) -> None:
+        """`scale_rewards` other than auto: one the estimator allows."""
+        scale = self.scale_rewards
+        if scale == "auto" or scale in est.scales:
+            return
+        if not est.scales:
+            scaled = " and ".join(e.name for e in ESTIMATORS.values() if e.scales)
+            raise UserError(f"scale_rewards: {scale} applies to {scaled}; allowed with advantage {est.name}: auto"
+                            + (f" (it {est.scaling})" if est.scaling else ""))
+        raise UserError(f"scale_rewards: {scale} does not apply to {est.name}, which {est.scaling}; allowed with "
+                        f"advantage {est.name}: {', '.join(est.scales)}, auto")
+
     def _check_estimator(self) -> None:
         """Combinations of the advantage estimator, its KL and its critic that cannot work."""
-        adv = self.advantage
-        if adv in GROUP_ADVANTAGES and self.num_generations < 2:
+        adv, est = self.advantage, self.estimator
+        if est.groups and self.num_generations < 2:
             raise UserError(f"num_generations: {self.num_generations} with advantage {adv}, whose baseline is "
                             "the other completions of the same prompt; allowed: >= 2")
-        if self.scale_rewards != "auto" and adv not in ("grpo", "rloo"):
-            raise UserError(f"scale_rewards: {self.scale_rewards} applies to grpo and rloo; allowed with "
-                            f"advantage {adv}: auto" + (" (it whitens over the batch itself)" if adv != "gae" else ""))
-        if adv == "rloo" and self.scale_rewards == "group":
-            raise UserError("scale_rewards: group does not apply to rloo, which normalizes its advantages over the "
-                            "batch (TRL's normalize_advantages); allowed with advantage rloo: batch, none, auto")
-        if adv == "grpo" and self.scale_rewards == "group" and self.kl_in_reward:
+        self._check_scale(est)
+        if self.scale_rewards == "group" and self.kl_in_reward:
             # a group whose scores all agree has a tiny but non-zero std of (score - beta * KL): its
             # advantages would be KL noise scaled to unit variance, a "no signal" group trained on noise
             raise UserError(f"scale_rewards: group with kl_in reward (kl_coef {self.kl_coef:g}) divides each group's "
@@ -244,7 +290,8 @@ class RLHFConfig(FaultConfig):
             raise UserError(f"layout: lora-critic trains a critic adapter, which advantage {adv} does not use; "
                             "allowed: lora or full")
         if not self.has_critic and self.critic_model is not None:
-            raise UserError(f"critic_model: advantage {adv} has no critic; allowed: none (or advantage gae)")
+            critics = " or ".join(e.name for e in ESTIMATORS.values() if e.critic)
+            raise UserError(f"critic_model: advantage {adv} has no critic; allowed: none (or advantage {critics})")
         if not self.has_critic and self.whiten_rewards:
             raise UserError(f"whiten_rewards: whitens GAE's per-token rewards; allowed with advantage {adv}: false")
         if self.kl_in == "loss" and self.kl_estimator == "k1" and self.kl_coef:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from ppoforge.config import build_config, read_preset
 from ppoforge.errors import UserError
+from ppoforge.lm.data.prompts import load_prompts
+from ppoforge.lm.data.tasks import task_reward
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.trainer import train
 from ppoforge.runtime.device import resolve_device
@@ -114,9 +116,6 @@ def train_in_chunks(cfg: RLHFConfig, run_dir: Path, chunks: int):
 
 def exact(cfg: RLHFConfig, split: str, rows: list[dict]) -> list[tuple[bool, bool]]:
     """(answer in tags, answer exactly right) of each logged completion, by the task's own checker."""
-    from ppoforge.lm.data.prompts import load_prompts
-    from ppoforge.lm.data.tasks import task_reward
-
     spec = cfg.prompts if split == "train" else cfg.heldout_prompts
     problems = {r[cfg.prompt_field]: r for r in load_prompts(spec, cfg.prompt_field)}  # same text, same answer
     found = [problems[r["prompt"]] for r in rows]

@@ -29,7 +29,7 @@ from ppoforge.lm.models.sampler import Samples
 from ppoforge.runtime import distributed
 
 
-class RolloutScoring:
+class RolloutPasses:
     """Call it on a rollout: (old logp, values, ref logp), (B, T) fp32 each, under the caller's autocast;
     values None without a critic, ref logp None without a reference (`reference=False`)."""
 

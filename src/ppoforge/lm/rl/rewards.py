@@ -28,6 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ppoforge.errors import UserError
+from ppoforge.lm.data.tasks import task_reward
+from ppoforge.lm.models.attention import right_pad
+from ppoforge.lm.models.loading import has_tokenizer_files, load_reward_model, load_tokenizer
+from ppoforge.lm.supervised.examples import reward_input_ids
 from ppoforge.runtime.usercode import call_user, load_python
 
 RewardFn = Callable[..., list[float]]
@@ -40,6 +44,7 @@ _POSITIONAL = ("prompts", "completions", "finished")
 
 @functools.cache
 def _vader():
+    # an optional extra (vaderSentiment, in ppoforge[lm]): imported when the vader reward first scores
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
     return SentimentIntensityAnalyzer()
@@ -97,8 +102,6 @@ class RewardModelScorer:
 
     def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
                  batch_size: int = 8, attn_implementation: str | None = None):
-        from ppoforge.lm.models.loading import load_reward_model, load_tokenizer
-
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(name_or_path)
         self.model = load_reward_model(name_or_path, dtype=dtype, device=device, tokenizer=self.tokenizer,
                                        attn_implementation=attn_implementation)
@@ -106,14 +109,10 @@ class RewardModelScorer:
         self.batch_size = batch_size
 
     def input_ids(self, prompts: list[str], completions: list[str]) -> list[list[int]]:
-        from ppoforge.lm.supervised.examples import reward_input_ids
-
         return [reward_input_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions, strict=True)]
 
     @torch.inference_mode()
     def __call__(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-        from ppoforge.lm.models.attention import right_pad
-
         rows, scores = self.input_ids(prompts, completions), []
         for i in range(0, len(rows), self.batch_size):
             ids, mask = right_pad(rows[i:i + self.batch_size], self.tokenizer.pad_token_id, self.device)
@@ -198,8 +197,6 @@ def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict, call_tim
     if item == "vader":
         return vader_sentiment
     if item == "task":  # reasoning-gym's checker of each row's task (lm/data/tasks.py)
-        from ppoforge.lm.data.tasks import task_reward
-
         return task_reward
     if kind == "length" and arg:
         return length_reward(_number(item, arg, int))
@@ -208,8 +205,6 @@ def _build_one(item: str, device, policy_tokenizer, model_kwargs: dict, call_tim
     if kind == "eos_penalty" and arg:
         return missing_eos_penalty(_number(item, arg, float))
     if kind == "model" and arg:
-        from ppoforge.lm.models.loading import has_tokenizer_files
-
         # a checkpoint saved without its tokenizer shares the policy's (what TRL's PPO always assumed)
         tokenizer = None if has_tokenizer_files(arg) else policy_tokenizer
         return RewardModelScorer(arg, tokenizer=tokenizer, device=device, **model_kwargs)

@@ -1,37 +1,20 @@
-"""The rollout of one PPO update as tensors, and the per-token rewards and advantages built from it.
+"""The rollout of one PPO update as tensors, the per-token rewards built from it, its `objective/` metrics,
+and its all-gather for FSDP. The advantages computed from it are `lm/rl/estimators.py`'s.
 
 Shapes: B responses, P prompt tokens (left-padded), T response tokens (right-padded). All the
-sequence tensors are batch-major (B, ...); GAE runs time-major, so `advantages` transposes.
-
-`ESTIMATORS` maps `advantage` to one function (rollout, per-token KL rewards, config) -> (advantages
-(B, T), returns or None): GAE with the critic's values, or a critic-free estimator of
-`core/critic_free.py` over the whole rollout, whose groups are contiguous rows (G completions of a
-prompt in a row). The trainer calls it before PPO shuffles the rollout into mini-batches, so a group's
-statistics always see all of its completions. Under torchrun each rank holds whole groups; the
-statistics over the batch (whitening, `scale: batch`) are all ranks' (`reducer()`).
+sequence tensors are batch-major (B, ...). Per-token rewards (Ziegler et al.): r_t = -beta * KL_t on
+every response token (`non_score_rewards`), plus the score on the last one (`with_scores`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
 
-from ppoforge.core.advantages import gae, over_real_tokens
-from ppoforge.core.critic_free import (
-    group_mean,
-    group_reward_stats,
-    grpo_advantages,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
-from ppoforge.core.stats import whiten
+from ppoforge.core.critic_free import group_reward_stats
+from ppoforge.core.kl import kl_penalty
 from ppoforge.runtime import distributed
-from ppoforge.runtime.distributed import reducer
-
-if TYPE_CHECKING:
-    from ppoforge.lm.rl.config import RLHFConfig
 
 
 @dataclass
@@ -77,14 +60,11 @@ def with_scores(non_score: torch.Tensor, scores: torch.Tensor, resp_mask: torch.
     return rewards
 
 
-def token_rewards(scores: torch.Tensor, kl: torch.Tensor, resp_mask: torch.Tensor, beta: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ziegler et al.: r_t = -beta * KL_t on every response token, plus the score on the last one.
-
-    Returns (rewards, non_score_rewards), both (B, T) and 0 on padding.
-    """
-    non_score = non_score_rewards(kl, resp_mask, beta)
-    return with_scores(non_score, scores, resp_mask), non_score
+def rollout_kl(b: Rollout, estimator: str) -> torch.Tensor:
+    """(B, T) per-token KL of the sampling policy to the reference (`kl_estimator`); 0 without a reference pass."""
+    if b.ref_logp is None:
+        return torch.zeros_like(b.logp)
+    return kl_penalty(b.logp, b.ref_logp, estimator, b.resp_mask)
 
 
 def rollout_metrics(b: Rollout, finished: torch.Tensor, kl: torch.Tensor, non_score: torch.Tensor,
@@ -106,85 +86,11 @@ def rollout_metrics(b: Rollout, finished: torch.Tensor, kl: torch.Tensor, non_sc
     return out
 
 
-def advantages(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Tensor, gamma: float,
-               lam: float, whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over the policy's tokens (`resp_mask`); the episode terminates after the last one (no
-    bootstrap). Multi-turn rows are packed first (`over_real_tokens`): the lambda-chain and the
-    bootstrap skip the environment's tokens, so V at a turn's end bootstraps from V at the next turn's
-    first policy token. Returns (whitened advantages, returns), (B, T), 0 where resp_mask is 0.
-    """
-    if whiten_rewards:
-        rewards = whiten(rewards, resp_mask, shift_mean=False, all_sum=reducer())
-    adv, ret = over_real_tokens(lambda r, v, m: _packed_gae(r, v, m, gamma, lam), resp_mask, rewards, values)
-    return whiten(adv, resp_mask, all_sum=reducer()), ret
-
-
-def _packed_gae(rewards: torch.Tensor, values: torch.Tensor, resp_mask: torch.Tensor, gamma: float, lam: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over rows whose real tokens are a prefix (resp_mask): (advantages, returns), 0 on padding."""
-    values = values * resp_mask
-    next_mask = torch.cat([resp_mask[:, 1:], torch.zeros_like(resp_mask[:, :1])], 1)
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
-    done = 1.0 - next_mask  # 1 at the last real token and on padding
-    adv, ret = gae(rewards.T.contiguous(), values.T.contiguous(), next_values.T.contiguous(),
-                   done.T.contiguous(), done.T.contiguous(), gamma, lam)
-    return adv.T * resp_mask, ret.T * resp_mask
-
-
-# ---- the estimators: (rollout, per-token KL rewards (B, T), config) -> (advantages (B, T), returns | None)
-
-def gae_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
-    """PPO: GAE over the per-token rewards with the critic's values, whitened."""
-    rewards = with_scores(b.step_rewards(non_score), b.scores, b.resp_mask)
-    return advantages(rewards, b.values, b.resp_mask, cfg.gamma, cfg.lam, cfg.whiten_rewards)
-
-
-def _sequence_rewards(b: Rollout, non_score: torch.Tensor) -> torch.Tensor:
-    """(B,) score - beta * sum_t KL_t (just the score with kl_in: loss), as TRL's RLOO; plus the turn
-    rewards of a multi-turn episode."""
-    return b.scores + b.step_rewards(non_score).sum(1)
-
-
-def grpo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
-    """GRPO: each response's group-normalized reward on every one of its tokens."""
-    adv = grpo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale, all_sum=reducer())
-    return adv[:, None] * b.resp_mask, None
-
-
-def rloo_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
-    """RLOO: each response's reward minus the mean of its group's others, on every one of its tokens."""
-    adv = rloo_advantages(_sequence_rewards(b, non_score), cfg.num_generations, cfg.reward_scale, all_sum=reducer())
-    return adv[:, None] * b.resp_mask, None
-
-
-def reinforce_pp_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
-    """REINFORCE++: the per-token rewards' reward-to-go, whitened over the rollout's tokens."""
-    return _reinforce_pp(with_scores(b.step_rewards(non_score), b.scores, b.resp_mask), b.resp_mask, cfg.gamma), None
-
-
-def reinforce_pp_baseline_estimate(b: Rollout, non_score: torch.Tensor, cfg: RLHFConfig):
-    """REINFORCE++-baseline: REINFORCE++ with the group's mean return subtracted on each response's last
-    token. The return is the whole episode's (turn rewards plus score), as GRPO's and RLOO's: centring the
-    score alone would leave an environment's turn rewards without a baseline."""
-    centered = b.scores - group_mean(b.returns(), cfg.num_generations)
-    return _reinforce_pp(with_scores(b.step_rewards(non_score), centered, b.resp_mask), b.resp_mask, cfg.gamma), None
-
-
-def _reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++ whose discount runs over the policy's tokens only (packed, as in `advantages`), its
-    whitening over every rank's tokens."""
-    return over_real_tokens(lambda r, m: reinforce_pp_advantages(r, m, gamma, reducer()), mask, rewards)
-
-
-ESTIMATORS = {"gae": gae_estimate, "grpo": grpo_estimate, "rloo": rloo_estimate,
-              "reinforce_pp": reinforce_pp_estimate, "reinforce_pp_baseline": reinforce_pp_baseline_estimate}
-
-
 def gather_rollout(b: Rollout, pad_id: int) -> Rollout:
     """Every rank's rows of the rollout in rank order: the global rollout, each rank's part padded to the
     longest prompt (on the left) and response (on the right), padding masked out. Under FSDP every rank
     must run every mini-batch's forward and backward, so each trains an equal slice of each mini-batch of
-    the global rollout (`RLHFTrainer._own_rows`). The identity at world 1."""
+    the global rollout (`PPOUpdate._own_rows`, lm/rl/update.py). The identity at world 1."""
     if not distributed.collectives():
         return b
     n_resp = b.resp.shape[1]

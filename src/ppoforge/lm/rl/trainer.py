@@ -1,21 +1,23 @@
-"""PPO for causal LMs (RLHF), top to bottom: sample -> score -> advantages -> update -> log -> checkpoint.
+"""PPO for causal LMs (RLHF), top to bottom: collect -> score -> advantages -> update -> log -> checkpoint.
 
 The recipe is Ziegler et al. 2019 as TRL's PPOTrainer implements it: per-token reward = -beta * KL to
 the frozen reference on every response token plus the reward function's score on the last one; GAE
 over response tokens (gamma 1, lambda 0.95); advantages whitened over the batch's real tokens; clipped
 surrogate and clipped value loss; fixed or adaptive beta; old log-probs are the sampler's, as in TRL —
 but only once a check on the first rollout found them bit-identical to the update's own forward
-(`old_logprobs: auto`), else recomputed: a ratio that is not exactly 1 before any update is a bias.
-Deliberate differences from TRL: the model layouts (`policy.py`: LoRA with the reference = adapters
-off, no second copy), our own KV-cache decode loop (which also hands over the values when the value
-head reads the policy's trunk), and micro-batch losses weighted by their share of the mini-batch's
-tokens (`core/accumulation.py`) so that gradient accumulation gives exactly the mini-batch gradient.
-Critic-free estimators (`advantage`: grpo, rloo, reinforce_pp, reinforce_pp_baseline; `lm/rl/rollout.py`,
-`core/critic_free.py`) reuse the same loop without a critic: each prompt is sampled `num_generations`
-times in a row, the advantages come from the whole rollout's groups before the mini-batch shuffle, no
-value head exists and no value loss is computed; the KL can sit in the loss (`kl_in: loss`, GRPO's),
-the loss can be aggregated per sequence (`loss_agg`, `core/accumulation.py`) and the clip can be
-asymmetric (`clip_high`, DAPO's). `kl_coef: 0` skips the reference pass.
+(`old_logprobs: auto`, `lm/rl/passes.py`), else recomputed: a ratio that is not exactly 1 before any
+update is a bias. Deliberate differences from TRL: the model layouts (`lm/models/layouts.py`: LoRA with
+the reference = adapters off, no second copy), our own KV-cache decode loop (which also hands over the
+values when the value head reads the policy's trunk), and micro-batch losses weighted by their share of
+the mini-batch's tokens (`core/accumulation.py`, `lm/rl/update.py`) so that gradient accumulation gives
+exactly the mini-batch gradient.
+The trainer composes the pieces, each chosen once at construction: the collector (`lm/rl/collect.py`:
+single-turn sampling, or multi-turn episodes against an environment), the estimator (`lm/rl/estimators.py`:
+GAE, or a critic-free one — grpo, rloo, reinforce_pp, reinforce_pp_baseline — that samples each prompt
+`num_generations` times in a row, computes the advantages from the whole rollout's groups before the
+mini-batch shuffle and has no value head and no value loss), the rollout's passes (`lm/rl/passes.py`) and
+the PPO update (`lm/rl/update.py`: the KL in the loss with `kl_in: loss`, GRPO's; `loss_agg`; DAPO's
+`clip_high`). `kl_coef: 0` skips the reference pass. Held-out evaluation: `lm/rl/heldout.py`.
 Under torchrun (`runtime/distributed.py`) each rank samples and scores its contiguous slice of the
 global batch's prompts (whole groups) with its slice of the globally drawn uniforms, takes each
 mini-batch's rows it owns from one global permutation, and all-reduces the gradients once per optimizer
@@ -38,42 +40,25 @@ import numpy as np
 import torch
 
 from ppoforge.config import config_to_dict, save_config
-from ppoforge.core.accumulation import loss_aggregation, token_share, unit_share
-from ppoforge.core.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from ppoforge.core.losses import clip_stats, policy_loss, value_loss
-from ppoforge.core.stats import masked, masked_mean
-from ppoforge.lm.envs.episodes import Episodes, Episodic, episode_metrics
-from ppoforge.lm.models.attention import left_pad
-from ppoforge.lm.models.logprobs import token_logprobs
-from ppoforge.lm.models.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
-from ppoforge.lm.rl.build import Components, build_components
+from ppoforge.core.kl import AdaptiveKLController, FixedKLController
+from ppoforge.core.stats import masked
+from ppoforge.lm.rl.build import RunInputs, build_inputs
+from ppoforge.lm.rl.collect import Batch, collector_for
 from ppoforge.lm.rl.config import RLHFConfig
-from ppoforge.lm.rl.passes import RolloutScoring
-from ppoforge.lm.rl.rollout import ESTIMATORS, Rollout, gather_rollout, non_score_rewards, rollout_metrics
+from ppoforge.lm.rl.heldout import Heldout
+from ppoforge.lm.rl.passes import RolloutPasses
+from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
+from ppoforge.lm.rl.update import PPOUpdate
 from ppoforge.runtime import distributed, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
-from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
-from ppoforge.runtime.timeouts import call_with_timeout
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
 TABLE_ROWS = 8  # completions shown in TensorBoard per logging step (all of them go to completions.jsonl)
-LOSS_KEYS = ("loss/policy_avg", "loss/value_avg")  # weighted by the micro-batch's share of the loss units
-TOKEN_KEYS = ("policy/entropy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio",
-              "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")  # by its tokens
-CRITIC_KEYS = ("loss/value_avg", "val/clipfrac_avg")
-
-
-def stat_keys(cfg: RLHFConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(loss keys, token keys) an update reports: no critic, no value stats; `kl` with kl_in: loss only."""
-    dropped = set() if cfg.has_critic else set(CRITIC_KEYS)
-    if not (cfg.kl_in == "loss" and cfg.kl_coef):
-        dropped.add("kl")
-    return tuple(k for k in LOSS_KEYS if k not in dropped), tuple(k for k in TOKEN_KEYS if k not in dropped)
 
 
 @dataclass
@@ -96,11 +81,11 @@ class RLHFTrainer:
         self.world = distributed.init(cfg.dist_timeout, resolve_device(cfg.device))
         self.run_dir = Path(distributed.rank0_value(str(self.run_dir)))
         # this rank's prompts of each global batch; its rows (and uniforms' columns) of each rollout
-        self.shard = distributed.shard(cfg.batch_size, "batch_size")
+        self.my_prompts = distributed.shard(cfg.batch_size, "batch_size")
         g = cfg.num_generations
-        self.rows = slice(self.shard.start * g, self.shard.stop * g)
-        self.parts: Components = build_components(cfg, reward_fn)
-        self.layout, self.tokenizer, self.precision = self.parts.layout, self.parts.tokenizer, self.parts.precision
+        self.my_rows = slice(self.my_prompts.start * g, self.my_prompts.stop * g)
+        self.inputs: RunInputs = build_inputs(cfg, reward_fn)
+        self.layout, self.tokenizer, self.precision = self.inputs.layout, self.inputs.tokenizer, self.inputs.precision
         self.params = [p for _, p in self.layout.named_trainable()]
         # FSDP2 (`fsdp` under torchrun): the trained weights are shards and FSDP reduces their gradients;
         # every rank runs every mini-batch's forward/backward (its equal slice of the gathered rollout)
@@ -114,35 +99,26 @@ class RLHFTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
                        else FixedKLController(cfg.kl_coef))
-        self.sampling = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                       self.parts.stop_ids, self.tokenizer.pad_token_id)
-        where = f"{self.parts.device.type} / {self.precision.name} / {self.policy_attention()} attention"
-        # One optimizer step per rollout, no critic, no KL in the rewards: the update's own forward is the
-        # sampling policy, so its detached log-probs are the old ones, exactly (ratio 1; TRL's GRPO does the
-        # same) and no rollout pass computes them.
-        self.on_policy = (cfg.old_logprobs == "auto" and not cfg.has_critic and cfg.ppo_epochs == 1
-                          and cfg.mini_batch_size == cfg.rollout_size and (cfg.kl_in == "loss" or cfg.kl_coef == 0))
-        self.scoring = RolloutScoring(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
-                                      critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not self.on_policy)
-        self.estimate = ESTIMATORS[cfg.advantage]  # (rollout, KL rewards, cfg) -> (advantages, returns)
-        # (reduce, units) of every loss term; seq_sum_norm's constant is the most policy tokens a row can have
-        self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens * cfg.max_turns)
-        self.episodes = Episodic(cfg, self.tokenizer) if cfg.env else None  # multi-turn: lm/envs/episodes.py
-        self.kl_loss = cfg.kl_in == "loss" and cfg.kl_coef > 0
-        self.loss_keys, self.token_keys = stat_keys(cfg)
-        self.gen = torch.Generator(self.parts.device).manual_seed(cfg.seed)
+        where = f"{self.inputs.device.type} / {self.precision.name} / {self.policy_attention()} attention"
+        # `cfg.on_policy` (one optimizer step per rollout): the update's own forward gives the old log-probs
+        self.passes = RolloutPasses(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
+                                    critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy)
+        self.collector = collector_for(cfg, self.inputs)  # single-turn sampling, or episodes with an env
+        self.heldout = Heldout(cfg, self.inputs, self.collector)
+        self.gen = torch.Generator(self.inputs.device).manual_seed(cfg.seed)
         self.update = 0   # completed updates
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
         self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
         self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
         self.lr_scale = 1.0  # lowered by each non-finite rollback
-        self.micro_batch, self.gen_batch = cfg.micro_batch_size, cfg.rollout_size  # halved on out-of-memory
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
         self.sharded_module = self.layout.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
         self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train rlhf --resume {self.run_dir}",
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
+        self.ppo = PPOUpdate(cfg, self.layout, self.precision, self.params, self.guard, self.gen, self.my_rows,
+                             on_step=self._mark_optimizing)
 
     # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
@@ -176,7 +152,7 @@ class RLHFTrainer:
     # ---- data ---------------------------------------------------------------------------------------
     def next_prompts(self) -> list[int]:
         """Row indices of the next batch: epoch e visits the prompts in a permutation seeded by (seed, e)."""
-        n, out = len(self.parts.prompt_ids), []
+        n, out = len(self.inputs.prompt_ids), []
         for i in range(self.cursor, self.cursor + self.cfg.batch_size):
             if self._order[0] != i // n:
                 self._order = (i // n, np.random.default_rng([self.cfg.seed, i // n]).permutation(n))
@@ -184,287 +160,89 @@ class RLHFTrainer:
         self.cursor += self.cfg.batch_size
         return out
 
-    # ---- rollout ------------------------------------------------------------------------------------
-    def generate(self, token_rows: list[list[int]], generator: torch.Generator, n_global: int | None = None,
-                 cols: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, Samples]:
-        """Left-pad the prompts and sample, `gen_batch` rows at a time (halved on out-of-memory; each row
-        draws its own pre-drawn uniforms, so the split changes no draw); returns (prompt + response ids,
-        prompt mask, samples). Under torchrun the rows are columns `cols` of a global batch of `n_global`:
-        every rank draws the global batch's uniforms and samples with its columns (the world size changes
-        no draw), and no collective runs while decoding."""
-        prompt_ids, prompt_mask = left_pad(token_rows, self.tokenizer.pad_token_id, self.parts.device)
-        uniforms = draw_uniforms(self.sampling, n_global or prompt_ids.shape[0], generator)[:, cols]
-        # entered once, retries inside: sharded, entering gathers the policy (a collective)
-        with self.layout.decoder() as decoder, self.precision.autocast():
-            parts, self.gen_batch = retry_halving(
-                lambda n: [sample(decoder, prompt_ids[s:s + n], prompt_mask[s:s + n], self.sampling,
-                                  uniforms=uniforms[:, s:s + n]) for s in range(0, prompt_ids.shape[0], n)],
-                self.gen_batch, "generation batch")
-        samples = concat_samples(parts, self.sampling.pad_id)
-        return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
-
-    def sample_batch(self, rows: list[dict], token_rows: list[list[int]], seeds: list[int] | None,
-                     generator: torch.Generator, n_global: int | None = None, cols: slice = slice(None)
-                     ) -> tuple[torch.Tensor, torch.Tensor, Samples, list[str]]:
-        """One batch's (prompt + response ids, prompt mask, samples, texts): the prompts sampled, or with an
-        env, episodes played (`seeds`: each row's environment seed) — columns `cols` of a global batch of
-        `n_global` under torchrun (see `generate`). Under torchrun an environment that raises on one rank
-        stops every rank (`distributed.checked`); a rank with none of the rows calls `idle_batch` instead."""
-        if self.episodes is None:
-            ids, prompt_mask, samples = self.generate(token_rows, generator, n_global, cols)
-            return ids, prompt_mask, samples, self.completions(samples)
-        uniforms = self.draw_uniforms(n_global or len(rows), generator)[:, cols]
-
-        def play():
-            with self.layout.decoder() as decoder, self.precision.autocast():
-                return self.episodes.play(decoder, rows, seeds, uniforms, self.sampling, self.parts.device)
-
-        prompt_ids, prompt_mask, episodes = distributed.checked(play)
-        return torch.cat([prompt_ids, episodes.response_ids], 1), prompt_mask, episodes, episodes.transcripts
-
-    def idle_batch(self, n_global: int, generator: torch.Generator) -> None:
-        """`sample_batch` on a rank that holds no row of a global batch of `n_global` (more ranks than rows):
-        it draws what the others draw and joins every collective they run while sampling — sharded, the
-        policy's gather on entering the decoder; with an env, the error flag of `checked` — so that the
-        later collectives pair up rather than hang."""
-        self.draw_uniforms(n_global, generator)
-
-        def gather_policy():
-            if self.sharded:
-                with self.layout.decoder():
-                    pass
-
-        if self.episodes is None:
-            gather_policy()
-        else:
-            distributed.checked(gather_policy)
-
-    def draw_uniforms(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        """The sampling uniforms of a batch of n rows (an episode's: one per turn, step and row)."""
-        if self.episodes is None:
-            return draw_uniforms(self.sampling, n, generator)
-        return self.episodes.uniforms(n, generator, self.sampling)
-
-    def batch_scores(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
-        """(B,) the reward's scores of the texts, or the environments' final scores of episodes."""
-        return samples.scores if isinstance(samples, Episodes) else self.score(rows, texts, samples)
-
-    def prompt_texts(self, rows: list[dict], samples: Samples) -> list[str]:
-        """The table's prompt column: the prompt field, or an episode's first message(s)."""
-        if isinstance(samples, Episodes):
-            return samples.first_messages
-        return [r[self.cfg.prompt_field] for r in rows]
-
-    def completions(self, samples: Samples) -> list[str]:
-        lengths = samples.response_mask.sum(1).long().tolist()
-        return self.tokenizer.batch_decode([ids[:n] for ids, n in zip(samples.response_ids.tolist(), lengths,
-                                                                      strict=True)], skip_special_tokens=True)
-
-    def score(self, rows: list[dict], texts: list[str], samples: Samples) -> torch.Tensor:
-        """The reward's scores (B,), under `call_timeout`; not yet checked for finiteness (the guard does)."""
-        prompts = [r[self.cfg.prompt_field] for r in rows]
-        with torch.inference_mode(), self.precision.autocast():
-            scores = call_with_timeout(lambda: self.parts.score(prompts, texts, samples.finished.tolist(), rows),
-                                       self.cfg.call_timeout, f"reward {self.cfg.reward}")
-        return scores.to(self.parts.device)
-
-    def policy_attention(self) -> str:
-        return getattr(self.layout.policy_model.config, "_attn_implementation", "?")
-
-    @torch.inference_mode()
-    def logprobs_and_values(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples, scores) -> Rollout:
-        """The rollout with its old log-probs and values and the reference log-probs, all fp32
-        (from the sampler where that is exact: see `lm/rl/passes.py`); values None without a critic,
-        reference log-probs None without a KL term."""
-        with self.precision.autocast():
-            logp, values, ref_logp = self.scoring(ids, mask, samples)
-        self.layout.release()  # sharded: the LM heads these no-grad passes left gathered
-        m = samples.response_mask
-        return Rollout(ids, mask, samples.response_ids, m, _masked(logp, m), _masked(ref_logp, m), _masked(values, m),
-                       scores, getattr(samples, "turn_rewards", None))
-
-    def rollout_kl(self, b: Rollout) -> torch.Tensor:
-        """(B, T) per-token KL of the sampling policy to the reference; 0 without a reference pass."""
-        if b.ref_logp is None:
-            return torch.zeros_like(b.logp)
-        return kl_penalty(b.logp, b.ref_logp, self.cfg.kl_estimator, b.resp_mask)
-
-    # ---- update -------------------------------------------------------------------------------------
-    def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
-        """ppo_epochs x shuffled mini-batches x accumulated micro-batches; loss-unit-weighted loss stats,
-        token-weighted other stats. A step whose loss or gradient norm is not finite is skipped (the guard
-        counts it)."""
-        cfg, keys = self.cfg, self.loss_keys + self.token_keys
-        totals, n_mini = torch.zeros(1 + len(keys), device=b.resp.device), 0
-        for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(cfg.rollout_size, generator=self.gen, device=self.gen.device).to(b.resp.device)
-            for mb in order.split(cfg.mini_batch_size):
-                mb = self._own_rows(mb)
-                sums = self._mini_batch_gradients(b, mb)  # (total loss, *stats in `keys` order)
-                # one all-reduce per step (sharded: of the stats alone, FSDP reduced the gradients in backward)
-                sums = (distributed.all_sum(sums) if self.sharded else
-                        distributed.all_reduce_grads(self.params, sums))
-                norm = self.precision.clip(self.optimizer, self.params, cfg.max_grad_norm)
-                ok = self.guard.step_ok(sums[0], norm, self.precision.scaler is not None)
-                self.optimizing = True
-                self.precision.apply(self.optimizer, skip=not ok)
-                totals += sums if ok else 0
-                n_mini += ok
-        return dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
-
-    def _own_rows(self, mb: torch.Tensor) -> torch.Tensor:
-        """The rows of global mini-batch `mb` this rank holds, as indices into its rollout (any number,
-        none included: the gradient all-reduce and the global unit count make the step the global one)."""
-        if self.world.size == 1:
-            return mb
-        if self.sharded:  # `b` is the gathered rollout; every rank takes an equal slice (FSDP's lockstep)
-            return mb.tensor_split(self.world.size)[self.world.rank]
-        return mb[(mb >= self.rows.start) & (mb < self.rows.stop)] - self.rows.start
-
-    def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor) -> torch.Tensor:
-        """The mini-batch's gradients in .grad, accumulated over micro-batches of `micro_batch` rows (halved
-        and redone on out-of-memory: the shares keep the sum the same); its weighted loss and stats. The
-        loss's normalizer (the mini-batch's tokens or sequences, `loss_agg`) is counted once, here."""
-        mb_mask = b.resp_mask[mb]
-        mb_units, mb_tokens = self.agg.units(mb_mask), mb_mask.sum()
-        if distributed.collectives():  # all ranks' units, before any backward: the single-process loss weights
-            mb_units, mb_tokens = distributed.all_sum(torch.stack([mb_units, mb_tokens]))
-        def attempt(n: int) -> torch.Tensor:
-            self.optimizer.zero_grad(set_to_none=True)
-            if mb.numel() == 0:  # this rank holds none of the mini-batch's rows: its gradient is 0
-                return b.resp_mask.new_zeros(1 + len(self.loss_keys) + len(self.token_keys))
-            with self.precision.weight_cache():
-                return sum(self._micro_batch(b, micro, mb_units, mb_tokens) for micro in mb.split(n))
-
-        totals, self.micro_batch = retry_halving(attempt, self.micro_batch, "micro-batch", retry=not self.sharded)
-        return totals
-
-    def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_units: torch.Tensor, mb_tokens: torch.Tensor
-                     ) -> torch.Tensor:
-        """Forward/backward of rows `micro`, its loss weighted by its share of the mini-batch's loss units;
-        (its weighted total loss, its weighted stats)."""
-        cfg, n_resp, m, reduce = self.cfg, b.resp.shape[1], b.resp_mask[micro], self.agg.reduce
-        with self.precision.autocast():
-            hidden, values = self.layout.forward(b.ids[micro], b.mask[micro], n_resp)
-            logits = self.layout.logits(hidden)
-        with self.precision.full_precision():
-            logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
-            old_logp, adv = (logp.detach() if self.on_policy else b.logp[micro]), b.adv[micro]
-            pg_loss, pg = policy_loss(logp, old_logp, adv, cfg.clip, m, clip_high=cfg.clip_high, reduce=reduce)
-            clipped = clip_stats(logp, old_logp, adv, cfg.clip, cfg.clip_high, m)
-            ent = masked_mean(entropy, m)
-            loss, stats = pg_loss, {"loss/policy_avg": pg_loss.detach(), "policy/entropy_avg": ent.detach(),
-                                    "policy/approxkl_avg": pg["approx_kl"], "policy/clipfrac_avg": pg["clipfrac"],
-                                    "val/ratio": pg["ratio"], **{f"clip_ratio/{k}_mean": v for k, v in clipped.items()}}
-            if values is not None:  # GAE's critic
-                v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m, reduce=reduce)
-                loss = loss + cfg.vf_coef * v_loss
-                stats |= {"loss/value_avg": v_loss.detach(), "val/clipfrac_avg": vs["clipfrac"]}
-            if self.kl_loss:  # GRPO's: beta * KL_t of the current policy, aggregated like the policy loss
-                kl = kl_penalty(logp, b.ref_logp[micro], cfg.kl_estimator, m)  # 0 on padding, gradient too
-                loss = loss + self.kl_ctl.value * reduce(kl, m)
-                stats["kl"] = masked_mean(kl.detach(), m)
-            if cfg.ent_coef:  # else entropy stays out of the graph: no (T, V) work for it in backward
-                loss = loss - cfg.ent_coef * reduce(entropy, m)
-            share = unit_share(self.agg.units(m), mb_units)  # the accumulated gradient is the mini-batch's loss
-            # FSDP averages the ranks' gradients: x world makes that the sum, the all-reduce's
-            self.precision.backward(loss * share * (self.world.size if self.sharded else 1))
-        tokens = token_share(m, mb_tokens)
-        return torch.cat([share * torch.stack([loss.detach(), *(stats[k] for k in self.loss_keys)]),
-                          tokens * torch.stack([stats[k] for k in self.token_keys])])
-
+    # ---- one update ---------------------------------------------------------------------------------
     def train_one_update(self) -> tuple[dict, list[dict]]:
         """One PPO update; returns its metrics and the completion rows for the table."""
         cfg, start = self.cfg, time.perf_counter()
         lr = cfg.learning_rate * self.lr_scale * ((1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # 1. prompts -> responses (eval mode, no grad, KV cache); each prompt num_generations times in a row
-        #    (with an env: episodes played, a prompt's G with one environment seed). Under torchrun each rank
-        #    takes its slice of the global batch's prompts, seeds and uniforms: every draw is the global one
-        prompts = self.next_prompts()
-        seeds = None
-        if self.episodes is not None:
-            draws = torch.randint(2**62, (len(prompts),), generator=self.gen, device=self.gen.device).tolist()
-            seeds = [s for s in draws[self.shard] for _ in range(cfg.num_generations)]
-        idx = [i for i in prompts[self.shard] for _ in range(cfg.num_generations)]
-        rows = [self.parts.rows[i] for i in idx]
-        ids, prompt_mask, samples, texts = self.sample_batch(rows, [self.parts.prompt_ids[i] for i in idx], seeds,
-                                                             self.gen, cfg.rollout_size, self.rows)
+        # 1. collect: prompts -> responses (eval mode, no grad, KV cache), or with an env episodes played;
+        #    each prompt num_generations times in a row. Under torchrun each rank takes its slice of the
+        #    global batch's prompts, seeds and uniforms: every draw is the global one
+        batch = self.collect(self.next_prompts())
         gen_s = time.perf_counter() - start
-        # 2. score: reward on the decoded text (an env: its scores); reference log-probs (and what the sampler
-        #    lacks) in a pass. Under torchrun: a rank whose reward raised stops every rank (`checked`); the
+        # 2. score: the reward on the decoded text (an env: its scores); old log-probs, values and reference
+        #    log-probs in passes. Under torchrun: a rank whose reward raised stops every rank (`checked`); the
         #    guard sees all scores
-        scores = distributed.all_gather(distributed.checked(self.batch_scores, rows, texts, samples))
+        scores = distributed.all_gather(distributed.checked(self.collector.scores, batch))
         finite, scores = self.guard.rewards_ok(scores, cfg.reward_clip)
-        scores = scores[self.rows] if self.world.size > 1 else scores
-        mask = torch.cat([prompt_mask.float(), samples.attended], 1)
-        b = self.logprobs_and_values(ids, mask, samples, scores).detached()
+        scores = scores[self.my_rows] if self.world.size > 1 else scores
+        b = self.logprobs_and_values(batch, scores).detached()
         # 3. advantages over the whole rollout, before PPO shuffles it: per-token rewards (-beta * KL with
         #    kl_in: reward, the score at the last token) -> GAE, or a critic-free estimator (its groups)
         beta = self.kl_ctl.value
-        kl = self.rollout_kl(b)
+        kl = rollout_kl(b, cfg.kl_estimator)
         non_score = non_score_rewards(kl, b.resp_mask, beta if cfg.kl_in == "reward" else 0.0)
-        b.adv, b.ret = self.estimate(b, non_score, cfg)
+        b.adv, b.ret = cfg.estimator.estimate(b, non_score, cfg)
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
-        keys = self.loss_keys + self.token_keys
         trained = gather_rollout(b, self.tokenizer.pad_token_id) if self.sharded else b
         skipped = torch.tensor(float("nan"), device=b.resp.device)
-        stats = self.ppo_update(trained) if finite else dict.fromkeys(keys, skipped)
+        stats = self.ppo_update(trained) if finite else dict.fromkeys(sum(cfg.stat_keys, ()), skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
         self.update += 1
-        objective = rollout_metrics(b, samples.finished, kl, non_score, cfg.num_generations)
-        if isinstance(samples, Episodes):
-            objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in episode_metrics(samples).items()}
+        objective = rollout_metrics(b, batch.samples.finished, kl, non_score, cfg.num_generations)
+        objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in self.collector.metrics(batch).items()}
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
-        metrics.update({**self.guard.counts, "guard/micro_batch_size": self.micro_batch,
-                        "guard/generation_batch_size": self.gen_batch,
+        metrics.update({**self.guard.counts, "guard/micro_batch_size": self.ppo.micro_batch,
+                        "guard/generation_batch_size": self.collector.gen_batch,
                         "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
                         "perf/samples_per_s": n / elapsed,
                         "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed,
-                        "perf/world_size": self.world.size, "perf/rank_rollout": len(idx)})
-        shown = self.prompt_texts(rows, samples)
-        table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s}
-                                         for p, t, s in zip(shown, texts, b.returns().tolist(), strict=True)])
+                        "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows)})
+        table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
+                                         zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
         return metrics, table
 
-    # ---- held-out evaluation and the run loop -------------------------------------------------------
-    def heldout_scores(self) -> tuple[float, list[dict]] | None:
-        """Mean score over `heldout_samples` completions of each held-out prompt, and their table rows
-        (its own generator, so training's RNG stream is untouched and every evaluation sees the same draws)."""
-        if not self.parts.heldout_rows:
-            return None
-        gen = torch.Generator(self.parts.device).manual_seed(self.cfg.seed + 1)
-        k, bs = self.cfg.heldout_samples, self.cfg.batch_size
-        # each prompt k times in a row: (prompt, sample) pairs, batched like training rollouts
-        pairs = [(i, j) for i in range(len(self.parts.heldout_rows)) for j in range(k)]
-        table = []
-        for s in range(0, len(pairs), bs):
-            table += distributed.checked(self._heldout_batch, pairs[s:s + bs], gen)
-        table = distributed.gather_rows(table)
-        return sum(r["score"] for r in table) / len(table), table
+    def collect(self, prompts: list[int]) -> Batch:
+        """This rank's part of the rollout of the global batch's `prompts` (row indices), each prompt
+        num_generations times in a row with its environment seed."""
+        g = self.cfg.num_generations
+        seeds = self.collector.seeds(len(prompts), self.gen)
+        idx = [i for i in prompts[self.my_prompts] for _ in range(g)]
+        seeds = [s for s in seeds[self.my_prompts] for _ in range(g)]
+        rows, prompt_ids = [self.inputs.prompt_rows[i] for i in idx], [self.inputs.prompt_ids[i] for i in idx]
+        return self.collector.collect(rows, prompt_ids, seeds, self.gen, self.cfg.rollout_size, self.my_rows)
 
-    def _heldout_batch(self, pairs: list[tuple[int, int]], gen: torch.Generator) -> list[dict]:
-        """This rank's part of one held-out batch of (prompt, sample) pairs, sampled and scored."""
-        cols = distributed.uneven_shard(len(pairs))
-        batch = pairs[cols]
-        if not batch:  # more ranks than pairs: the others' draws and collectives, no sample
-            self.idle_batch(len(pairs), gen)
-            return []
-        rows = [self.parts.heldout_rows[i] for i, _ in batch]
-        # with an env, held-out prompt i always plays environment seed (seed, i): the same games each time
-        seeds = [int(np.random.default_rng([self.cfg.seed, 1, i]).integers(2**62)) for i, _ in batch]
-        _, _, samples, texts = self.sample_batch(rows, [self.parts.heldout_ids[i] for i, _ in batch], seeds, gen,
-                                                 len(pairs), cols)
-        scores = samples.returns() if isinstance(samples, Episodes) else self.score(rows, texts, samples)
-        return [{"prompt": p, "sample": j, "completion": t, "score": x} for p, (_, j), t, x in
-                zip(self.prompt_texts(rows, samples), batch, texts, scores.tolist(), strict=True)]
+    @torch.inference_mode()
+    def logprobs_and_values(self, batch: Batch, scores: torch.Tensor) -> Rollout:
+        """The rollout with its old log-probs and values and the reference log-probs, all fp32
+        (from the sampler where that is exact: see `lm/rl/passes.py`); values None without a critic,
+        reference log-probs None without a KL term."""
+        samples, mask = batch.samples, batch.mask
+        with self.precision.autocast():
+            logp, values, ref_logp = self.passes(batch.ids, mask, samples)
+        self.layout.release()  # sharded: the LM heads these no-grad passes left gathered
+        m = samples.response_mask
+        return Rollout(batch.ids, mask, samples.response_ids, m, _masked(logp, m), _masked(ref_logp, m),
+                       _masked(values, m), scores, batch.turn_rewards)
 
+    def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
+        """The PPO epochs over rollout `b` (lm/rl/update.py): its mean loss and stats."""
+        return self.ppo(b, self.optimizer, self.kl_ctl.value)
+
+    def _mark_optimizing(self) -> None:
+        self.optimizing = True
+
+    def policy_attention(self) -> str:
+        return getattr(self.layout.policy_model.config, "_attn_implementation", "?")
+
+    # ---- the run loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
         if main:
@@ -502,11 +280,11 @@ class RLHFTrainer:
             logger.close()
         if main:
             plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
-                        "eval/scores"], self.run_dir / "reward_kl.png", title=f"{curve_title(cfg)}: {cfg.model}")
+                        "eval/scores"], self.run_dir / "reward_kl.png", title=f"{cfg.curve_title}: {cfg.model}")
         return TrainResult(self.run_dir, self.update, self.update * cfg.rollout_size, last, stopped)
 
     def _log_heldout(self, logger: MetricsLogger) -> None:
-        result = self.heldout_scores()
+        result = self.heldout()
         if result is not None:
             logger.log(self.update, {"eval/scores": result[0]})
             self._log_table(logger, "heldout", result[1])
@@ -521,12 +299,6 @@ class RLHFTrainer:
         lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['score']:.3f} |"
                   for r in table[:TABLE_ROWS]]
         logger.log_text(self.update, f"completions/{split}", "\n".join(lines))
-
-
-def curve_title(cfg: RLHFConfig) -> str:
-    """e.g. "PPO lora" or "GRPO lora, guess_number?hi=8 episodes"."""
-    title = f"{'PPO' if cfg.advantage == 'gae' else cfg.advantage.upper()} {cfg.layout}"
-    return f"{title}, {cfg.env} episodes" if cfg.env else title
 
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
