@@ -47,13 +47,20 @@ venv-floor: $(FLOOR_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ppoforge demo
 
+# Every test, in two passes: all but the `torchrun` ones on PYTEST_WORKERS pytest-xdist workers (one compute
+# thread each: tests/conftest.py), then the `torchrun` ones (2+ processes in one process group, with collective
+# timeouts) on their own, so no other worker competes with their ranks for the cores.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not torchrun"
+	$(PY) -m pytest -q -m torchrun
 
 # The suite on the floor (lint is the default venv's job: ruff's floor knows fewer rules).
 test-floor: $(FLOOR_STAMP)
-	$(FLOOR_PY) -m pytest -q -p no:cacheprovider
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup -m "not torchrun"
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -m torchrun
 
 bench-control: $(STAMP)
 	$(PY) benchmarks/control_vs_sb3.py

@@ -124,6 +124,7 @@ def test_a_bad_field_in_a_later_stage_fails_before_any_stage_runs(tmp_path, tiny
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_ranks_under_torchrun_write_one_summary_equal_to_one_process(tmp_path, tiny_models):
     """Every stage's trainer runs on both ranks; rank 0 alone prints and writes the summaries, which hold
     the single-process numbers (each trainer's 2-rank run equals its 1-rank run: tests/lm/test_distributed.py)."""

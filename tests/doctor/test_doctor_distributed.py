@@ -52,6 +52,7 @@ def test_allreduce_rank_crash_is_reported():
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_real_gloo_allreduce():
     r = check_allreduce(gpus=0, nccl=False, timeout=60)
     assert r.status == "ok", r.evidence
@@ -79,6 +80,7 @@ def test_memlock():
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_real_gloo_allreduce_over_three_processes():
     passed, what = run_allreduce("gloo", 60, nproc=3)
     assert passed and what == "all 3 ranks got 24.0 (= 4 x (1 + 2 + 3))", what
@@ -103,6 +105,7 @@ def test_two_nodes_meet_and_a_missing_node_fails_with_the_fixes():
     assert alone.status == "fail" and "node 1 of 2 at 127.0.0.1" in alone.evidence and "nc -zv" in alone.fix
 
 
+@pytest.mark.torchrun
 def test_real_fsdp_step_on_gloo_or_the_reason_this_torch_cannot():
     r = check_fsdp(gpus=0, nccl=False, timeout=120)
     if cpu_unsupported_reason():  # torch 2.6: FSDP2 is CUDA-only

@@ -33,6 +33,7 @@ if not hasattr(torch.cpu.Stream, "record_event"):  # runtime/fsdp.py's cpu_unsup
                  "first all-gather fails); the world-1 fsdp path runs on it")
 needs_fsdp = pytest.mark.skipif(FSDP_SKIP is not None, reason=str(FSDP_SKIP))
 FSDP = dict(layout="full", fsdp="true", learning_rate=1e-3)
+SUPERVISED_FSDP = ["--layout", "full", "--fsdp", "true", "--learning-rate", "1e-3"]
 
 
 def _args(model, prompts, run_dir, **overrides):
@@ -79,21 +80,81 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+# ---- one torchrun launch for every 2-rank run that must simply succeed --------------------------------
+# A launch pays torch + transformers' import on both ranks and a rendezvous before a run of a few seconds.
+# The tests that take `launched` get their 2-rank runs from ONE launch of the module (tests/conftest.py:
+# torchrun_runs) and compare them with the one-process runs they make themselves. Tests whose launch ends
+# (a failing rank, SIGTERM, exit 2) or that need another topology (two nodes) launch on their own.
+
+def _launched_runs(test: str, lm: Path, rm: Path, prompts: Path, d: Path) -> tuple[list, list]:
+    """(the one-process runs to make before the launch, the 2-rank runs) of `test` (its name with its
+    parameters), with their run dirs in `d`."""
+    name, _, param = test.rstrip("]").partition("[")
+    if name == "test_two_ranks_equal_one_rank":
+        return [], [_args(lm, prompts, d / "two", **VARIANTS[param])]
+    if name == "test_episode_heldout_with_fewer_pairs_than_ranks_does_not_pair_collectives_wrongly":
+        heldout = d / "heldout.jsonl"
+        heldout.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+        return [], [_args(lm, prompts, d / "r", **EPISODES, heldout_prompts=heldout, heldout_samples=1,
+                          dist_timeout=20)]
+    if name in ("test_resume_two_to_one_and_one_to_two", "test_fsdp_resume_two_to_one_and_one_to_two"):
+        common = {**RESUME, **(FSDP if "fsdp" in name else {})}
+        return ([_args(lm, prompts, d / "b", total_updates=2, **common)],
+                [_args(lm, prompts, d / "a", total_updates=2, **common),
+                 ["train", "rlhf", "--resume", str(d / "b"), "--total-updates", "3"]])
+    if name == "test_sft_and_reward_two_ranks_equal_one_rank":
+        return [], [_supervised_args(param, lm if param == "sft" else rm, d, d / "two")]
+    if name == "test_fsdp_two_ranks_equal_one_plain_rank":
+        return [], [_args(lm, prompts, d / "two", **FSDP, **FSDP_VARIANTS[param])]
+    if name == "test_fsdp_bf16_reference_computes_what_the_policy_computes":
+        return [], [_args(lm, prompts, d / "r", precision="bf16", **FSDP)]
+    assert name == "test_fsdp_sft_and_reward_two_ranks_equal_one_plain_rank", name
+    return [], [[*_supervised_args(param, lm if param == "sft" else rm, d, d / "two"), *SUPERVISED_FSDP]]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tiny_lm_dir, tiny_reward_model_dir, prompts_file, tmp_path_factory, torchrun_runs) -> dict:
+    """{test name: its folder of runs}: every selected test of this module that takes `launched`, its
+    2-rank runs in one launch (the FSDP ones left out where this torch cannot run FSDP2: they skip)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    tests = [item.name for item in request.session.items if item.module is request.module
+             and "launched" in item.fixturenames and not (FSDP_SKIP and "fsdp" in item.name)]
+    folders, launched = {}, []
+    for i, test in enumerate(tests):
+        folders[test] = root / str(i)
+        folders[test].mkdir()
+        before, runs = _launched_runs(test, tiny_lm_dir, tiny_reward_model_dir, prompts_file, folders[test])
+        for argv in before:
+            assert main(argv) == 0
+        launched += runs
+    if launched:
+        torchrun_runs(launched, root / "launch")
+    return folders
+
+
+@pytest.fixture
+def launched(two_ranks, request) -> Path:
+    """This test's folder of 2-rank runs, made by the module's one launch (`two_ranks`)."""
+    return two_ranks[request.node.name]
+
+
+VARIANTS = {
+    "ppo-lora": dict(layout="lora"),
+    "ppo-full": dict(layout="full", learning_rate=1e-3),
+    "grpo": dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3",
+                 ppo_epochs=1, mini_batch_size=4, micro_batch_size=1, loss_agg="seq_mean_token_mean"),
+    "grpo-episodes": dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_coef=0, ppo_epochs=1,
+                          mini_batch_size=4, micro_batch_size=1, env="guess_number?hi=4", reward="env", max_turns=2,
+                          max_env_tokens=24),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    dict(layout="lora"),
-    dict(layout="full", learning_rate=1e-3),
-    dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3",
-         ppo_epochs=1, mini_batch_size=4, micro_batch_size=1, loss_agg="seq_mean_token_mean"),
-    dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_coef=0, ppo_epochs=1,
-         mini_batch_size=4, micro_batch_size=1, env="guess_number?hi=4", reward="env", max_turns=2,
-         max_env_tokens=24),
-], ids=["ppo-lora", "ppo-full", "grpo", "grpo-episodes"])
-def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, overrides):
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_args(tiny_lm_dir, prompts_file, one, **overrides)) == 0
-    run = launch(_args(tiny_lm_dir, prompts_file, two, **overrides))
-    assert run.returncode == 0, run.stderr[-3000:]
+@pytest.mark.torchrun
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, variant, launched):
+    one, two = tmp_path / "one", launched / "two"
+    assert main(_args(tiny_lm_dir, prompts_file, one, **VARIANTS[variant])) == 0
     _assert_same_params(_trainable(one), _trainable(two))
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert len(m1) == len(m2) == 1 and m2[0]["perf/world_size"] == 2 and m2[0]["perf/rank_rollout"] == 2
@@ -110,21 +171,16 @@ EPISODES = dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2
 
 
 @pytest.mark.slow
-def test_episode_heldout_with_fewer_pairs_than_ranks_does_not_pair_collectives_wrongly(tiny_lm_dir, prompts_file,
-                                                                                        tmp_path):
+@pytest.mark.torchrun
+def test_episode_heldout_with_fewer_pairs_than_ranks_does_not_pair_collectives_wrongly(launched):
     """One held-out prompt, one sample: rank 1 holds no pair of the held-out batch. It must still join the
     collectives the other rank runs while playing (the environment's error flag, `checked`), else every
     later collective pairs with the wrong one (a hang, a DistTimeout, or gloo's size mismatch)."""
-    heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
-    args = _args(tiny_lm_dir, prompts_file, tmp_path / "r", **EPISODES, heldout_prompts=heldout, heldout_samples=1,
-                 dist_timeout=20)
-    run = launch(args, timeout=200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "r" / "completions.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (launched / "r" / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "heldout"] == [0, 1]  # before and after training
 
 
+@pytest.mark.torchrun
 def test_batch_that_does_not_divide_by_the_ranks_is_one_line_exit_2(tiny_lm_dir, prompts_file, tmp_path):
     run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", batch_size=3, mini_batch_size=3))
     assert run.returncode != 0
@@ -133,19 +189,19 @@ def test_batch_that_does_not_divide_by_the_ranks_is_one_line_exit_2(tiny_lm_dir,
     assert 2 in _worker_exit_codes(run.stderr)  # every rank knows it: rank 0 alone prints it; exit 2
 
 
+RESUME = dict(anneal_lr="false", ppo_epochs=1)  # annealing follows total_updates, which the resumes raise
+
+
 @pytest.mark.slow
-def test_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path):
+@pytest.mark.torchrun
+def test_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path, launched):
     """Checkpoints written by 2 ranks continue on 1 and the other way round, and both equal a run that
-    never stopped: the shared generator and the global data cursor are in rank 0's checkpoint."""
+    never stopped: the shared generator and the global data cursor are in rank 0's checkpoint. The launch
+    ran `a` for 2 updates and resumed `b` (2 updates in one process: `_launched_runs`) to 3."""
     straight = tmp_path / "straight"
-    common = dict(anneal_lr="false", ppo_epochs=1)  # annealing follows total_updates, which the resumes raise
-    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **common)) == 0
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert launch(_args(tiny_lm_dir, prompts_file, a, total_updates=2, **common)).returncode == 0
+    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **RESUME)) == 0
+    a, b = launched / "a", launched / "b"
     assert main(["train", "rlhf", "--resume", str(a), "--total-updates", "3"]) == 0
-    assert main(_args(tiny_lm_dir, prompts_file, b, total_updates=2, **common)) == 0
-    run = launch(["train", "rlhf", "--resume", str(b), "--total-updates", "3"])
-    assert run.returncode == 0, run.stderr[-3000:]
     for resumed in (a, b):
         rows = read_metrics(resumed / "metrics.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]
@@ -169,6 +225,7 @@ RAISING = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @pytest.mark.parametrize("how", ["raises", "hangs", "raises-fsdp"])
 def test_one_rank_failing_stops_all_with_one_line(tiny_lm_dir, prompts_file, tmp_path, how):
     """With fsdp the checkpoint is collective: every rank knows of the error, so every rank writes its
@@ -207,6 +264,7 @@ def _worker_exit_codes(launcher_stderr: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_nodes_on_one_machine_match_one_node(tiny_lm_dir, prompts_file, tmp_path):
     """Two `torchrun --nnodes 2 --node-rank {0,1}` launches of one process each, over a c10d rendezvous
     on 127.0.0.1, train together and match the single-process run."""
@@ -249,14 +307,13 @@ def _supervised_args(kind, model, tmp_path, run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @pytest.mark.parametrize("kind", ["sft", "reward"])
-def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path):
+def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path, launched):
     """12 rows: 9 train (batches of 4, 4, 1: the last leaves rank 1 nothing), 3 held out."""
     model = tiny_lm_dir if kind == "sft" else tiny_reward_model_dir
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two = tmp_path / "one", launched / "two"
     assert main(_supervised_args(kind, model, tmp_path, one)) == 0
-    run = launch(_supervised_args(kind, model, tmp_path, two))
-    assert run.returncode == 0, run.stderr[-3000:]
     # 3 AdamW steps at lr 1e-2: Adam's first steps are ~lr * sign(g), so a float-order difference in a
     # near-zero gradient component moves its weight by up to ~1e-6 a step (seen: 1.7e-6 for reward)
     _assert_same_params(_trainable(one), _trainable(two), atol=1e-5)
@@ -289,6 +346,7 @@ EXIT_RECORDER = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_sigterm_to_the_launcher_checkpoints_once(tiny_lm_dir, prompts_file, tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop after the update under way, rank 0
     writes one checkpoint, each exits 0 (rank 0 alone says so), and the run resumes from it. The launcher
@@ -327,18 +385,21 @@ def _sharded_weights(run_dir, tmp_path) -> dict:
     return torch.load(out, weights_only=True)["model"]
 
 
+FSDP_VARIANTS = {
+    "ppo-full": dict(),  # PPO with its critic: 2 epochs x 2 mini-batches, ragged prompts and responses across ranks
+    "grpo-full": dict(advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3", ppo_epochs=1,
+                      mini_batch_size=4, loss_agg="seq_mean_token_mean"),
+}
+
+
 @pytest.mark.slow
+@pytest.mark.torchrun
 @needs_fsdp
-@pytest.mark.parametrize("overrides", [
-    dict(),  # PPO with its critic: 2 epochs x 2 mini-batches, ragged prompts and responses across ranks
-    dict(advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3", ppo_epochs=1,
-         mini_batch_size=4, loss_agg="seq_mean_token_mean"),
-], ids=["ppo-full", "grpo-full"])
-def test_fsdp_two_ranks_equal_one_plain_rank(tiny_lm_dir, prompts_file, tmp_path, overrides):
-    one, two = tmp_path / "one", tmp_path / "two"
+@pytest.mark.parametrize("variant", list(FSDP_VARIANTS))
+def test_fsdp_two_ranks_equal_one_plain_rank(tiny_lm_dir, prompts_file, tmp_path, variant, launched):
+    overrides = FSDP_VARIANTS[variant]
+    one, two = tmp_path / "one", launched / "two"
     assert main(_args(tiny_lm_dir, prompts_file, one, **FSDP, **overrides)) == 0  # world 1: not sharded
-    run = launch(_args(tiny_lm_dir, prompts_file, two, **FSDP, **overrides))
-    assert run.returncode == 0, run.stderr[-3000:]
     assert len(list((two / "checkpoint").glob("*.distcp"))) == 2  # each rank wrote its shards
     a, b = _sharded_weights(one, tmp_path), _sharded_weights(two, tmp_path)
     initial = load_file(Path(tiny_lm_dir) / "model.safetensors")
@@ -355,19 +416,14 @@ def test_fsdp_two_ranks_equal_one_plain_rank(tiny_lm_dir, prompts_file, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @needs_fsdp
-def test_fsdp_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path):
+def test_fsdp_resume_two_to_one_and_one_to_two(tiny_lm_dir, prompts_file, tmp_path, launched):
     """A sharded checkpoint of 2 ranks continues in one process and the other way round; both equal a
-    run that never stopped."""
-    common = dict(anneal_lr="false", ppo_epochs=1, **FSDP)
-    straight, a, b = tmp_path / "straight", tmp_path / "a", tmp_path / "b"
-    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **common)) == 0
-    run = launch(_args(tiny_lm_dir, prompts_file, a, total_updates=2, **common))
-    assert run.returncode == 0, run.stderr[-3000:]
+    run that never stopped. The launch ran `a` for 2 updates and resumed `b` (2 updates in one process) to 3."""
+    straight, a, b = tmp_path / "straight", launched / "a", launched / "b"
+    assert main(_args(tiny_lm_dir, prompts_file, straight, total_updates=3, **RESUME, **FSDP)) == 0
     assert main(["train", "rlhf", "--resume", str(a), "--total-updates", "3"]) == 0
-    assert main(_args(tiny_lm_dir, prompts_file, b, total_updates=2, **common)) == 0
-    run = launch(["train", "rlhf", "--resume", str(b), "--total-updates", "3"])
-    assert run.returncode == 0, run.stderr[-3000:]
     want = _sharded_weights(straight, tmp_path)
     for resumed in (a, b):
         assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl")] == [1, 2, 3]
@@ -405,28 +461,26 @@ def test_fsdp_config_errors_are_one_line(tiny_lm_dir, prompts_file, tmp_path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @needs_fsdp
-def test_fsdp_bf16_reference_computes_what_the_policy_computes(tiny_lm_dir, prompts_file, tmp_path):
+def test_fsdp_bf16_reference_computes_what_the_policy_computes(launched):
     """Under FSDP's bf16 policy the reference is stored in bf16: the KL before the first update is 0."""
-    run = launch(_args(tiny_lm_dir, prompts_file, tmp_path / "r", precision="bf16", **FSDP))
-    assert run.returncode == 0, run.stderr[-3000:]
-    first = read_metrics(tmp_path / "r" / "metrics.jsonl")[0]
+    first = read_metrics(launched / "r" / "metrics.jsonl")[0]
     assert first["objective/kl"] == 0.0
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @needs_fsdp
 @pytest.mark.parametrize("kind", ["sft", "reward"])
-def test_fsdp_sft_and_reward_two_ranks_equal_one_plain_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path):
+def test_fsdp_sft_and_reward_two_ranks_equal_one_plain_rank(kind, tiny_lm_dir, tiny_reward_model_dir, tmp_path,
+                                                            launched):
     """SFT and reward training, full layout, FSDP2 on 2 ranks: the last batch (1 item) leaves rank 1 a
     zero-weight micro-batch, so both ranks run the same forwards; the same weights and metrics as one
     process, a sharded checkpoint and a gathered export."""
     model = tiny_lm_dir if kind == "sft" else tiny_reward_model_dir
-    one, two = tmp_path / "one", tmp_path / "two"
-    fsdp = ["--layout", "full", "--fsdp", "true", "--learning-rate", "1e-3"]
-    assert main([*_supervised_args(kind, model, tmp_path, one), *fsdp]) == 0
-    run = launch([*_supervised_args(kind, model, tmp_path, two), *fsdp])
-    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = tmp_path / "one", launched / "two"
+    assert main([*_supervised_args(kind, model, tmp_path, one), *SUPERVISED_FSDP]) == 0
     assert len(list((two / "checkpoint").glob("*.distcp"))) == 2
     _assert_same_params(_sharded_weights(one, tmp_path), _sharded_weights(two, tmp_path), atol=1e-5)
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")

@@ -97,6 +97,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_gloo_ranks_all_reduce_flag_errors_and_time_out():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -243,6 +243,7 @@ def test_shard_model_on_cpu_says_why_not():
 
 @needs_fsdp
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_full_weights_lean_decode_equals_one_process(ranks):
     model = tiny_qwen2(0)
     for rank, out in enumerate(ranks["ranks"]):
@@ -256,6 +257,7 @@ def test_full_weights_lean_decode_equals_one_process(ranks):
 
 @needs_fsdp
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_full_weights_bf16_policy_decodes_as_bf16_weights(ranks):
     """FSDP casts each fp32 shard to bf16 before the all-gather: the same weights as rounding the full
     model's parameters (buffers, such as RoPE's inv_freq, stay fp32 in both)."""
@@ -271,6 +273,7 @@ def test_full_weights_bf16_policy_decodes_as_bf16_weights(ranks):
 
 @needs_fsdp
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_generate_under_fsdp_hooks_equals_one_process(ranks):
     model = tiny_qwen2(0)
     for rank, out in enumerate(ranks["ranks"]):
@@ -279,6 +282,7 @@ def test_generate_under_fsdp_hooks_equals_one_process(ranks):
 
 @needs_fsdp
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_forward_backward_equals_one_process(ranks):
     """Half a batch per rank, gradients averaged by FSDP = the whole batch on one process (each half has
     the same token count, so the mean of the halves' token means is the batch's), within fp32 rounding."""
@@ -294,6 +298,7 @@ def test_forward_backward_equals_one_process(ranks):
 
 @needs_fsdp
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_resume_2_to_1_fsdp(ranks):
     model = tiny_qwen2(seed=1)
     opt = optimizer(model)
@@ -303,6 +308,7 @@ def test_resume_2_to_1_fsdp(ranks):
 
 @needs_fsdp
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_resume_1_to_2_fsdp(ranks):
     out = ranks["ranks"][0]
     assert out["loaded_extra"] == {"update": 3, "note": "one rank"}
@@ -310,6 +316,7 @@ def test_resume_1_to_2_fsdp(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_resume_2_to_1_replicated(ranks):
     model = tiny_qwen2(seed=1)
     opt = optimizer(model)
@@ -318,6 +325,7 @@ def test_resume_2_to_1_replicated(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_resume_1_to_2_replicated(ranks):
     for out in ranks["ranks"]:
         assert out["plain_loaded_extra"] == {"update": 3, "note": "one rank"}
