@@ -65,6 +65,25 @@ def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
     assert list((tmp_path / "models").iterdir()) == []
 
 
+def test_building_the_cache_leaves_the_seeded_generator_alone(tmp_path, monkeypatch):
+    """The trainer seeds torch before it loads the model; a first-use build that initializes a model at
+    random must not move the global generator, or the building run draws other LoRA / value-head weights
+    than every later run of the same seed."""
+    monkeypatch.setenv("PPOFORGE_CACHE", str(tmp_path))
+
+    def build(gguf, out):
+        torch.nn.Linear(64, 64)  # a random init, as LlamaForCausalLM(config) does
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(smollm2, "build_checkpoint", build)
+    torch.manual_seed(0)
+    smollm2.ensure_cached()
+    built = torch.rand(3)
+    torch.manual_seed(0)
+    smollm2.ensure_cached()  # cached now: nothing drawn
+    assert torch.equal(built, torch.rand(3))
+
+
 # ---- load_tokenizer --------------------------------------------------------------------------------
 
 

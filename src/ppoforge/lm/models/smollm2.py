@@ -65,7 +65,11 @@ def ensure_cached() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{NAME}.", suffix=".tmp"))
     try:
-        build_checkpoint(gguf, tmp)
+        # LlamaForCausalLM(config) initializes weights at random from torch's global generator, which the
+        # trainer has seeded already: without the fork the run that builds the cache would draw other
+        # LoRA / value-head weights than every later run of the same seed
+        with torch.random.fork_rng(devices=[]):
+            build_checkpoint(gguf, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
         try:
             os.rename(tmp, target)  # atomic on one filesystem
