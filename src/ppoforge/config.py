@@ -16,6 +16,7 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import yaml
 
@@ -193,6 +194,18 @@ def save_config(cfg, path: Path, note: str | None = None) -> None:
     as a comment, so reading it back gives the same fields."""
     head = f"# {note}\n" if note else ""
     atomic_write_text(Path(path), head + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def parse_query(spec: str, body: str, where: str) -> tuple[str, dict]:
+    """'NAME?k=v&...' (`body`, the part of `spec` after its prefix) -> (NAME, {k: YAML value}); errors
+    name `where` and `spec`. The one spec syntax of `task:` prompts (lm/data/tasks.py) and of built-in
+    environments (lm/envs/builtin.py)."""
+    name, _, query = body.partition("?")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise UserError(f"{where}: {spec!r}: the part after ? is not KEY=VALUE pairs joined by &") from None
+    return name, {key: yaml.safe_load(value) if value else value for key, value in pairs}
 
 
 def read_saved_config(path: Path) -> dict:

@@ -22,10 +22,9 @@ one-line error.
 from __future__ import annotations
 
 import functools
-from urllib.parse import parse_qsl, unquote_plus
+from urllib.parse import unquote_plus
 
-import yaml
-
+from ppoforge.config import parse_query
 from ppoforge.errors import UserError
 from ppoforge.runtime.usercode import call_user
 
@@ -42,17 +41,6 @@ def _reasoning_gym():
     except ImportError:
         raise UserError(f"tasks need reasoning-gym, which is not installed; install it: {INSTALL}") from None
     return reasoning_gym
-
-
-def parse_query(spec: str, body: str, where: str) -> tuple[str, dict]:
-    """'NAME?k=v&...' (`body`, the part of `spec` after its prefix) -> (NAME, {k: YAML value}); errors
-    name `where` and `spec`. Shared by `task:` prompts and built-in environments (lm/envs/protocol.py)."""
-    name, _, query = body.partition("?")
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
-    except ValueError:
-        raise UserError(f"{where}: {spec!r}: the part after ? is not KEY=VALUE pairs joined by &") from None
-    return name, {key: yaml.safe_load(value) if value else value for key, value in pairs}
 
 
 def parse_task(spec: str) -> tuple[str, dict]:

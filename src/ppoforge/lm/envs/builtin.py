@@ -16,8 +16,8 @@ import inspect
 import random
 import re
 
+from ppoforge.config import parse_query
 from ppoforge.errors import UserError
-from ppoforge.lm.data.tasks import parse_query
 from ppoforge.lm.envs.protocol import ALLOWED_SPECS, EnvStep
 
 _INTEGER = re.compile(r"-?\d+")
