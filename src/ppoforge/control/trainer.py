@@ -22,17 +22,17 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from ppoforge.config import config_to_dict, save_config
+from ppoforge.config import config_to_dict
 from ppoforge.control.agent import ActorCritic, make_policy
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime import distributed, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.metrics import open_run_dir, plot_curves
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
@@ -141,12 +141,8 @@ class ControlTrainer:
     # ---- training ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
-        if main:
-            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.num_envs, "envs"))
-            if self.update == 0:
-                trust.record(self.run_dir, cfg)
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.update * cfg.batch_size)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
+        logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.num_envs, "envs"),
+                              self.update * cfg.batch_size, main=main)
         progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
                             enabled=cfg.progress and main, unit="step")
 

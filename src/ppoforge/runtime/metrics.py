@@ -11,6 +11,9 @@ import json
 import math
 from pathlib import Path
 
+from ppoforge.config import save_config
+from ppoforge.runtime import trust
+
 
 def _plain(value):
     if hasattr(value, "item"):
@@ -72,6 +75,22 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         return
     rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
     path.write_text("".join(r + "\n" for r in rows))
+
+
+def open_run_dir(run_dir: Path, cfg, note: str, step: int, logs: tuple[str, ...] = ("metrics.jsonl",),
+                 main: bool = True) -> MetricsLogger | NullLogger:
+    """What every trainer writes before its first update, on rank 0 alone (`main`): the resolved config
+    (`note`: how the ranks split the batch), on a fresh run (`step` 0) the fingerprints of the code and
+    data files it names (`trust.record`), and each of `logs` cut back to `step` (a resumed run rewrites
+    what came after its checkpoint). Returns the run's logger; a NullLogger on the other ranks."""
+    if not main:
+        return NullLogger()
+    save_config(cfg, run_dir / "config.yaml", note=note)
+    if step == 0:
+        trust.record(run_dir, cfg)
+    for name in logs:
+        truncate_metrics(run_dir / name, step)
+    return MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ppoforge.config import config_to_dict, save_config
+from ppoforge.config import config_to_dict
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController
 from ppoforge.core.stats import masked
 from ppoforge.lm.rl.build import RunInputs, build_inputs
@@ -49,10 +49,10 @@ from ppoforge.lm.rl.heldout import Heldout
 from ppoforge.lm.rl.passes import RolloutPasses
 from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
 from ppoforge.lm.rl.update import PPOUpdate
-from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime import distributed, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import MetricsLogger, NullLogger, plot_curves, truncate_metrics
+from ppoforge.runtime.metrics import MetricsLogger, open_run_dir, plot_curves
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
 
@@ -245,13 +245,8 @@ class RLHFTrainer:
     # ---- the run loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
-        if main:
-            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.batch_size, "prompts"))
-            if self.update == 0:
-                trust.record(self.run_dir, cfg)
-            for name in ("metrics.jsonl", "completions.jsonl"):
-                truncate_metrics(self.run_dir / name, self.update)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
+        logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "prompts"), self.update,
+                              ("metrics.jsonl", "completions.jsonl"), main)
         progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress and main, unit="update")
         last: dict = {}
 

@@ -31,15 +31,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ppoforge.config import config_to_dict, save_config
+from ppoforge.config import config_to_dict
 from ppoforge.core.accumulation import token_share
 from ppoforge.lm.models.loading import load_tokenizer
 from ppoforge.lm.supervised.config import SupervisedConfig
 from ppoforge.lm.supervised.examples import read_rows
-from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime import distributed, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import MetricsLogger, NullLogger, truncate_metrics
+from ppoforge.runtime.metrics import open_run_dir
 from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.precision import make_precision, resolve_precision
 from ppoforge.runtime.progress import Progress
@@ -245,12 +245,8 @@ class SupervisedTrainer:
     def run(self) -> dict:
         """Train to the end (or a stop signal); returns the last metrics, eval included."""
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
-        if main:
-            save_config(cfg, self.run_dir / "config.yaml", note=distributed.describe(cfg.batch_size, "examples"))
-            if self.update == 0:
-                trust.record(self.run_dir, cfg)
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard) if main else NullLogger()
+        logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "examples"), self.update,
+                              main=main)
         progress = Progress(self.total_steps, self.update, enabled=cfg.progress and main, unit="step")
         last: dict = {}
 
