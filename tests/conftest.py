@@ -30,12 +30,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # set by pytest-xdist in each worker 
     threadpool_limits(1)  # numpy's BLAS too
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(items):
-    """Every test that needs the built SmolLM2 goes to one worker: it is built once (~40 s), not once each."""
-    for item in items:
-        if "smollm2_cache" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("smollm2"))
+MODULE_LAUNCHES = {"two_ranks", "ranks"}  # the module-scoped fixtures that make one 2-rank launch
+
+
+def pytest_itemcollected(item):
+    """Every test that needs the built SmolLM2 goes to one worker: it is built once (~40 s), not once each.
+    So do the tests of a module that read its one 2-rank launch (a module-scoped fixture runs once per
+    worker that has tests using it). Marked as each test is collected, before pytest-xdist's
+    `pytest_collection_modifyitems` reads the groups (--dist loadgroup): on pytest 9 a conftest's
+    modifyitems hook runs after xdist's, tryfirst or not."""
+    names = set(getattr(item, "fixturenames", ()))
+    if "smollm2_cache" in names:
+        item.add_marker(pytest.mark.xdist_group("smollm2"))
+    elif MODULE_LAUNCHES & names:
+        item.add_marker(pytest.mark.xdist_group(f"launch:{item.module.__name__}"))
+
+
+@pytest.fixture(autouse=True)
+def _xdist_group_holds(request):
+    """pytest-xdist keeps a group on one worker by renaming its tests `NODEID@GROUP` (--dist loadgroup); a
+    pytest that ignores the rename (9.2 did) silently spreads them, building SmolLM2 and each launch twice."""
+    mark = request.node.get_closest_marker("xdist_group")
+    if mark is not None and getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@" + mark.args[0]), f"{request.node.nodeid}: group {mark.args[0]} lost"
 
 
 RUN_MANY = textwrap.dedent("""
