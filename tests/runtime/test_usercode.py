@@ -39,13 +39,17 @@ def test_our_errors_and_signals_pass_unchanged():
 
 
 def test_a_keyboard_interrupt_is_the_codes_failure_only_while_a_stop_flag_handles_sigint():
-    # Python's default SIGINT handler: it may be the user's Ctrl-C, so it stays an interrupt
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt) as e:
-        call_user(_raise(KeyboardInterrupt()), "reward r")
-    assert type(e.value) is KeyboardInterrupt
-    with StopFlag(), pytest.raises(UserError, match="^reward r raised KeyboardInterrupt; allowed: return a result"):
-        call_user(_raise(KeyboardInterrupt()), "reward r")
+    # Python's default SIGINT handler: it may be the user's Ctrl-C, so it stays an interrupt. Installed
+    # here: a process started in the background by a non-interactive shell inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            call_user(_raise(KeyboardInterrupt()), "reward r")
+        assert type(e.value) is KeyboardInterrupt
+        with StopFlag(), pytest.raises(UserError, match="^reward r raised KeyboardInterrupt; allowed: return a"):
+            call_user(_raise(KeyboardInterrupt()), "reward r")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_real_ctrl_c_inside_a_user_call_still_stops_gracefully():
