@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8, help="--grpo: completions per prompt")
     p.add_argument("--new-tokens", type=int, default=32, help="--grpo: new tokens")
     p.add_argument("--micro", type=int, default=8, help="--grpo: completions per forward/backward")
+    p.add_argument("--shared-prefix", choices=["auto", "off"], default="auto",
+                   help="ppoforge's shared_prefix: a group's completions as one row behind one prompt, or padded rows")
     return p.parse_args()
 
 
@@ -66,7 +68,7 @@ def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace
         "batch_size": w.n_prompts, "mini_batch_size": w.n_prompts, "micro_batch_size": w.micro_batch,
         "ppo_epochs": 1, "total_updates": args.warmup + args.updates, "seed": args.seed,
         "precision": args.precision, "device": "cpu", "torch_threads": args.threads,
-        "tensorboard": False, "progress": False,
+        "tensorboard": False, "progress": False, "shared_prefix": args.shared_prefix,
         **(grpo_fields(args) if args.grpo else {}),
     })
 
@@ -116,7 +118,8 @@ def main() -> None:
         "samples_per_s": (args.prompts * args.generations if args.grpo else w.n_prompts) / median,
         "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
         "setup_s": setup_s, "last_metrics": {k: metrics.get(k) for k in ("objective/kl", "objective/scores",
-                                                                      "objective/response_length")},
+                                                                      "objective/response_length",
+                                                                      "perf/shared_prefix_unit")},
         "versions": {"ppoforge": ppoforge.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},
     }

@@ -39,7 +39,7 @@ BUSY = 0.3  # cores of other load above which a run is flagged as unreliable
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="tiny", help="comma list of workloads: tiny, small, smollm2")
+    p.add_argument("--workloads", default="tiny", help="comma list of workloads: tiny, small, smollm2, arith")
     p.add_argument("--updates", type=int, default=5, help="timed PPO updates per run (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed PPO updates first, per run")
     p.add_argument("--rounds", type=int, default=1,
@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--grpo-generations", type=int, default=8)
     p.add_argument("--grpo-new-tokens", type=int, default=32)
     p.add_argument("--grpo-micro", type=int, default=8)
+    p.add_argument("--shared-prefix", default="auto",
+                   help="ppoforge shared_prefix settings to time (comma list: auto,off side by side)")
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl"), help="venv holding TRL 1.12")
     p.add_argument("--timeout", type=int, default=3600, help="seconds allowed per measurement")
     p.add_argument("--quiet-wait", type=float, default=60.0,
@@ -165,9 +167,11 @@ def measure_workload(name: str, args: argparse.Namespace, trl_py: Path) -> list[
             configs = [("trl", "trl-4-model", p, [str(trl_py), str(HERE / "trl_ppo_worker.py"), *common,
                                                     "--precision", p]) for p in args.trl_precisions.split(",")]
         if not args.skip_ppoforge:
-            configs += [("ppoforge", lay, p, [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"),
-                                              *common, "--layout", lay, "--precision", p])
-                        for lay in args.layouts.split(",") for p in args.precisions.split(",")]
+            configs += [("ppoforge", lay if sp == "auto" else f"{lay}, shared_prefix {sp}", p,
+                         [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"), *common, "--layout", lay,
+                          "--precision", p, "--shared-prefix", sp])
+                        for lay in args.layouts.split(",") for p in args.precisions.split(",")
+                        for sp in args.shared_prefix.split(",")]
         runs: list[list[dict]] = [[] for _ in configs]
         for rnd in range(args.rounds):
             order = list(enumerate(configs))

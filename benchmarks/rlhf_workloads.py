@@ -49,6 +49,8 @@ WORKLOADS = {
     "tiny": Workload("tiny", 64, 2, 4, 2, 256, 1024, False, 16, 32, 32, 8),
     "small": Workload("small", 256, 4, 4, 2, 1024, 8192, False, 16, 32, 64, 8),
     "smollm2": Workload("smollm2", 576, 30, 9, 3, 1536, 49152, True, 8, 24, 32, 4),
+    # the arithmetic preset's shape (`--grpo --grpo-new-tokens 10`): an 80-token prompt, short answers
+    "arith": Workload("arith", 576, 30, 9, 3, 1536, 49152, True, 4, 80, 10, 8),
 }
 
 

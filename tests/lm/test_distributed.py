@@ -141,8 +141,9 @@ def launched(two_ranks, request) -> Path:
 VARIANTS = {
     "ppo-lora": dict(layout="lora"),
     "ppo-full": dict(layout="full", learning_rate=1e-3),
+    # micro-batches of a whole group: its forwards run shared-prefix rows (lm/models/rows.py)
     "grpo": dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3",
-                 ppo_epochs=1, mini_batch_size=4, micro_batch_size=1, loss_agg="seq_mean_token_mean"),
+                 ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, loss_agg="seq_mean_token_mean"),
     "grpo-episodes": dict(layout="lora", advantage="grpo", num_generations=2, batch_size=2, kl_coef=0, ppo_epochs=1,
                           mini_batch_size=4, micro_batch_size=1, env="guess_number?hi=4", reward="env", max_turns=2,
                           max_env_tokens=24),
@@ -158,6 +159,7 @@ def test_two_ranks_equal_one_rank(tiny_lm_dir, prompts_file, tmp_path, variant, 
     _assert_same_params(_trainable(one), _trainable(two))
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert len(m1) == len(m2) == 1 and m2[0]["perf/world_size"] == 2 and m2[0]["perf/rank_rollout"] == 2
+    assert m2[0]["perf/shared_prefix_unit"] == (2 if variant == "grpo" else 1)
     for key, value in _strip(m1)[0].items():  # global metrics: all-reduced, equal to the single-process ones
         assert m2[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     assert (two / "config.yaml").read_text().startswith("# world_size: 2, per-rank batch: ")
@@ -388,7 +390,7 @@ def _sharded_weights(run_dir, tmp_path) -> dict:
 FSDP_VARIANTS = {
     "ppo-full": dict(),  # PPO with its critic: 2 epochs x 2 mini-batches, ragged prompts and responses across ranks
     "grpo-full": dict(advantage="grpo", num_generations=2, batch_size=2, kl_in="loss", kl_estimator="k3", ppo_epochs=1,
-                      mini_batch_size=4, loss_agg="seq_mean_token_mean"),
+                      mini_batch_size=4, micro_batch_size=2, loss_agg="seq_mean_token_mean"),  # shared-prefix rows
 }
 
 
@@ -407,6 +409,7 @@ def test_fsdp_two_ranks_equal_one_plain_rank(tiny_lm_dir, prompts_file, tmp_path
     assert any(k.startswith("critic.") for k in a) == ("advantage" not in overrides)
     _assert_same_params(a, b, atol=1e-5)
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert m2[0]["perf/shared_prefix_unit"] == (2 if variant == "grpo-full" else 1)
     for key, value in _strip(m1)[0].items():
         assert m2[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     # the export gathers the shards: rank 0 writes the whole policy

@@ -8,6 +8,7 @@ from ppoforge.lm.models.decoders import HFDecoder, LlamaDecoder
 from ppoforge.lm.models.layouts import build_lora
 from ppoforge.lm.models.loading import load_causal_lm
 from ppoforge.lm.models.parts import merged_lora
+from ppoforge.lm.models.rows import padded
 
 
 def _trained_lora(tiny_lm_dir, **load_kwargs):
@@ -27,7 +28,8 @@ def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
     with torch.inference_mode():
         # forward(..., n=1) gives the logits that predict the last token: append one to see the prompt's end
         plus_one = torch.cat([ids, torch.full((2, 1), 3)], 1)
-        hidden, _ = layout.forward(plus_one, torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float(), 1)
+        plus_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float()
+        hidden, _ = layout.forward(padded(plus_one, plus_mask, 1))
         logits = layout.logits(hidden)
         lean = layout.decoder().__enter__()
         assert isinstance(lean, LlamaDecoder)
@@ -59,7 +61,8 @@ def test_decoders_over_a_bf16_base_apply_the_adapter_unmerged(tiny_lm_dir, alpha
         q = layout.peft.base_model.model.model.layers[0].self_attn.q_proj
         base_weight = q.base_layer.weight
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden, _ = layout.forward(plus_one, torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float(), 1)
+            plus_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).float()
+            hidden, _ = layout.forward(padded(plus_one, plus_mask, 1))
             want = layout.logits(hidden)[:, -1]
             with layout.decoder() as dec:
                 assert isinstance(dec, kind) and q.base_layer.weight is base_weight and not q.disable_adapters
@@ -114,9 +117,9 @@ def test_lean_reference_pass_equals_the_disabled_adapter_forward(tiny_lm_dir, pr
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]]).float()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     with torch.inference_mode(), autocast:
-        got = layout.fast_ref_forward(ids, mask, 4)  # the lean decoder's
-        want = layout.ref_forward(ids, mask, 4)  # peft's, adapters off
-        policy = response_hidden(layout.backbone, ids, mask, 4)
+        got = layout.fast_ref_forward(padded(ids, mask, 4))  # the lean decoder's
+        want = layout.ref_forward(padded(ids, mask, 4))  # peft's, adapters off
+        policy = response_hidden(layout.backbone, padded(ids, mask, 4))
     assert got.shape == want.shape == (2, 4, want.shape[-1]) and got.dtype == want.dtype
     real = mask[:, -5:-1].bool()  # positions that predict real response tokens
     if precision == "bf16-eager":
@@ -139,7 +142,7 @@ def test_a_critic_from_a_reward_model_starts_as_the_whole_reward_model(tiny_lm_d
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
     mask = torch.ones(2, 6)
     with torch.no_grad():
-        values = layout.values(ids, mask, 5)  # (B, 5): V before each of the last 5 tokens
+        values = layout.values(padded(ids, mask, 5))  # (B, 5): V before each of the last 5 tokens
         scores = rm(input_ids=ids[:, :-1]).logits[:, 0]  # the RM's score of the prefix ending at token 5
     assert values.abs().max() > 0
     torch.testing.assert_close(values[:, -1], scores, atol=1e-5, rtol=1e-5)

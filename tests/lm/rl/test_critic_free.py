@@ -136,9 +136,10 @@ def test_group_statistics_see_the_whole_rollout_before_the_shuffle(cfg_for, tmp_
                                                                    expected):
     """Rows 0-3 are prompt 0's group, 4-7 prompt 1's; scores are the row indices. The advantage that
     reaches the loss for each row must be its whole group's, although PPO's shuffled mini-batches of 4
-    mix the groups: statistics computed per mini-batch would give other numbers."""
+    mix the groups (shared_prefix off: its mini-batches would hold whole groups): statistics computed per
+    mini-batch would give other numbers."""
     cfg = cfg_for(advantage=advantage, kl_coef=0.0, batch_size=2, num_generations=4, mini_batch_size=4,
-                  micro_batch_size=4)
+                  micro_batch_size=4, shared_prefix="off")
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
     seen, rollouts = [], []
     loss, update = update_module.policy_loss, trainer.ppo_update

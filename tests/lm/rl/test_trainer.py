@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from ppoforge.cli import main
 from ppoforge.config import build_config
+from ppoforge.lm.models.rows import padded
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.trainer import RLHFTrainer, train
 from ppoforge.runtime.metrics import read_metrics
@@ -85,7 +86,7 @@ def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, over
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     mask = torch.ones(1, 6)
     with torch.no_grad():
-        ours = trainer.layout.logits(trainer.layout.forward(ids, mask, 3)[0])
+        ours = trainer.layout.logits(trainer.layout.forward(padded(ids, mask, 3))[0])
         theirs = exported(input_ids=ids).logits[:, -4:-1]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
@@ -110,8 +111,9 @@ def _fast_and_plain(trainer):
     sc = trainer.passes
     with torch.inference_mode(), trainer.precision.autocast():
         ref_fast = sc.layout.fast_ref_forward or sc.layout.ref_forward
-        fast = (*sc._policy_fast(ids, mask, samples), sc._reference(ids, mask, samples, ref_fast))
-        plain = (*sc._policy_plain(ids, mask, samples), sc._reference(ids, mask, samples, sc.layout.ref_forward))
+        rows = sc.rows_for(ids, mask, samples.response_ids.shape[1])
+        fast = (*sc._policy_fast(rows, samples), sc._reference(rows, samples, ref_fast))
+        plain = (*sc._policy_plain(rows, samples), sc._reference(rows, samples, sc.layout.ref_forward))
     return fast, plain, samples
 
 
@@ -324,7 +326,7 @@ def test_gradient_checkpointing_recomputes_layers_in_backward(tiny_lm_dir, enabl
     layout = build_lora(load_causal_lm(str(tiny_lm_dir)), 4, 8, "all-linear", False, enabled)
     calls = []
     layout.policy_model.base_model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
-    hidden, values = layout.forward(torch.randint(3, 50, (2, 8)), torch.ones(2, 8), 4)
+    hidden, values = layout.forward(padded(torch.randint(3, 50, (2, 8)), torch.ones(2, 8), 4))
     (layout.logits(hidden).sum() + values.sum()).backward()
     assert len(calls) == (2 if enabled else 1)
     assert all(not m.training for m in layout.policy_model.base_model.layers[0].modules()

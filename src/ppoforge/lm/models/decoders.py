@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.lm.models.rows import TokenRows
 
 # transformers renamed `past_key_values` to `cache` in 5.x; pass whichever this version takes.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -336,16 +337,15 @@ class LlamaDecoder:
                 for _ in self.layers]
 
     @torch.no_grad()
-    def base_hidden(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
-        """The frozen base's (adapters off) last hidden states (B, T, H) at the positions that predict
-        the T response tokens of ids (B, P + T): what `parts.response_hidden` returns for the base
-        model, here through the weights the sampler prepared (the LoRA layout's reference pass)."""
-        batch, n = ids.shape
-        x, dtype = self._embed_and_prepare(ids)
-        cos, sin = self.rotary(x, position_ids(mask))
-        x = self._blocks(x, cos, sin, 0, causal_mask(mask), self._new_caches(batch, n, dtype, x.device),
-                         adapters=False)
-        return self._norm(x.view(batch, n, -1)[:, -n_resp - 1:-1], self.final_norm).contiguous()
+    def base_hidden(self, rows: TokenRows) -> torch.Tensor:
+        """The frozen base's (adapters off) last hidden states (B, T, H) at the positions that predict the
+        response tokens of `rows`: what `parts.response_hidden` returns for the base model, here through
+        the weights the sampler prepared (the LoRA layout's reference pass)."""
+        batch, n = rows.ids.shape
+        x, dtype = self._embed_and_prepare(rows.ids)
+        cos, sin = self.rotary(x, rows.positions)
+        x = self._blocks(x, cos, sin, 0, rows.allowed, self._new_caches(batch, n, dtype, x.device), adapters=False)
+        return rows.response(self._norm(x.view(batch, n, -1), self.final_norm))
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
         batch, self.n_prompt = prompt_ids.shape

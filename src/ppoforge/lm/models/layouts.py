@@ -56,6 +56,7 @@ from ppoforge.lm.models.parts import (
     response_hidden,
     yielding,
 )
+from ppoforge.lm.models.rows import TokenRows
 from ppoforge.runtime import distributed
 from ppoforge.runtime.fsdp import default_mesh, full_weights, mp_policy, reshard, shard_model
 
@@ -68,19 +69,17 @@ class Layout(Protocol):
 
     def decoder(self) -> contextlib.AbstractContextManager[Decoder]: ...  # the policy, for the sampler
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # policy hidden (B, T, H), values (B, T)
-    #   fp32 (None without a critic)
+    def forward(self, rows: TokenRows) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # policy hidden
+    #   (B, T, H) at the positions predicting the response tokens, values (B, T) fp32 (None without a critic)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # policy LM head: (..., H) -> (..., V)
 
-    def values(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int
-               ) -> torch.Tensor: ...  # (B, T) fp32: the critic's pass alone
+    def values(self, rows: TokenRows) -> torch.Tensor: ...  # (B, T) fp32: the critic's pass alone
 
     def sampled_values(self, hidden: torch.Tensor) -> torch.Tensor | None: ...  # from the sampler's hidden
     #   states (B, T, H) when the value head reads the policy's own trunk, else None
 
-    def ref_forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor: ...  # hidden
+    def ref_forward(self, rows: TokenRows) -> torch.Tensor: ...  # the reference's hidden (B, T, H)
 
     def ref_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -164,22 +163,22 @@ class LoraLayout:
         with the policy's (the active one by then), so its gradients came from the wrong activations."""
         return contextlib.nullcontext(), self._adapter(self.peft.base_model.active_adapter)
 
-    def _critic_hidden(self, ids, mask, n_resp):
+    def _critic_hidden(self, rows):
         """The trunk pass with the critic's adapter in place of the policy's."""
         with self._adapter("critic"):
-            return response_hidden(self.backbone, ids, mask, n_resp)
+            return response_hidden(self.backbone, rows)
 
-    def forward(self, ids, mask, n_resp):
-        hidden = response_hidden(self.backbone, ids, mask, n_resp)
+    def forward(self, rows):
+        hidden = response_hidden(self.backbone, rows)
         if self.value_head is None:
             return hidden, None
-        critic_hidden = self._critic_hidden(ids, mask, n_resp) if self.critic_adapter else hidden
+        critic_hidden = self._critic_hidden(rows) if self.critic_adapter else hidden
         return hidden, self.value_head(critic_hidden)
 
-    def values(self, ids, mask, n_resp):
+    def values(self, rows):
         if self.critic_adapter:
-            return self.value_head(self._critic_hidden(ids, mask, n_resp))
-        return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
+            return self.value_head(self._critic_hidden(rows))
+        return self.value_head(response_hidden(self.backbone, rows))
 
     def sampled_values(self, hidden):
         return None if self.critic_adapter or self.value_head is None else self.value_head(hidden)
@@ -187,10 +186,10 @@ class LoraLayout:
     def logits(self, hidden):
         return self.policy_model.get_output_embeddings()(hidden)
 
-    def ref_forward(self, ids, mask, n_resp):
+    def ref_forward(self, rows):
         """The base with adapters off (peft's disabled-adapter forward)."""
         with self.peft.disable_adapter():
-            return response_hidden(self.backbone, ids, mask, n_resp)
+            return response_hidden(self.backbone, rows)
 
     def ref_logits(self, hidden):
         with self.peft.disable_adapter():  # matters only when the LM head itself has an adapter
@@ -286,12 +285,12 @@ class FullLayout:
         with full_weights(self.policy):
             yield LlamaDecoder(self.policy_model)
 
-    def forward(self, ids, mask, n_resp):
-        values = None if self.critic is None else self.critic(ids, mask, n_resp)
-        return self.policy.response_hidden(ids, mask, n_resp), values
+    def forward(self, rows):
+        values = None if self.critic is None else self.critic(rows)
+        return self.policy.response_hidden(rows), values
 
-    def values(self, ids, mask, n_resp):
-        return self.critic(ids, mask, n_resp)
+    def values(self, rows):
+        return self.critic(rows)
 
     def sampled_values(self, hidden):
         return None  # the critic is its own trunk
@@ -299,8 +298,8 @@ class FullLayout:
     def logits(self, hidden):
         return self.policy_model.get_output_embeddings()(hidden)
 
-    def ref_forward(self, ids, mask, n_resp):
-        return self.reference.response_hidden(ids, mask, n_resp)
+    def ref_forward(self, rows):
+        return self.reference.response_hidden(rows)
 
     def ref_logits(self, hidden):
         return self.reference.lm.get_output_embeddings()(hidden)

@@ -18,7 +18,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.lm.models.rows import TokenRows
 from ppoforge.runtime import distributed
 from ppoforge.runtime.fsdp import full_state_dict
 
@@ -119,24 +119,10 @@ def export_model(model: nn.Module, path: Path, tokenizer=None, sharded: bool = F
 
 
 # ---- trunks and the value head -------------------------------------------------------------------------
-def causal_inputs(ids: torch.Tensor, mask: torch.Tensor, backbone: nn.Module) -> dict:
-    """A Hugging Face forward's keyword arguments for left-padded ids (B, L) and their 0/1 mask (B, L): the
-    4D causal mask over real keys (`backbone`'s attention decides its form), positions of real tokens, no
-    KV cache."""
-    return {"input_ids": ids, "attention_mask": as_attention_bias(causal_mask(mask), backbone),
-            "position_ids": position_ids(mask), "use_cache": False}
-
-
-def response_positions(hidden: torch.Tensor, n_resp: int) -> torch.Tensor:
-    """(B, P + T, H) -> (B, T, H): the positions that predict the T response tokens."""
-    # contiguous: a strided 3D input makes matmul fall back to bmm over a (B, H, V) copy of the LM head
-    return hidden[:, -n_resp - 1:-1].contiguous()
-
-
-def response_hidden(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
-    """Last hidden states (B, T, H) at the positions that predict the T response tokens of (B, P + T);
+def response_hidden(backbone: nn.Module, rows: TokenRows) -> torch.Tensor:
+    """Last hidden states (B, T, H) at the positions that predict the rollout's T response tokens;
     `backbone` is a Hugging Face base model (`lm.base_model`)."""
-    return response_positions(backbone(**causal_inputs(ids, mask, backbone)).last_hidden_state, n_resp)
+    return rows.response(backbone(**rows.inputs(backbone)).last_hidden_state)
 
 
 class Trunk(nn.Module):
@@ -153,9 +139,9 @@ class Trunk(nn.Module):
     def forward(self, **inputs) -> torch.Tensor:
         return self.lm.base_model(**inputs).last_hidden_state
 
-    def response_hidden(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
+    def response_hidden(self, rows: TokenRows) -> torch.Tensor:
         """`response_hidden` through this module's call (so FSDP2's hooks run)."""
-        return response_positions(self(**causal_inputs(ids, mask, self.lm.base_model)), n_resp)
+        return rows.response(self(**rows.inputs(self.lm.base_model)))
 
 
 class ValueHead(nn.Module):
@@ -193,8 +179,8 @@ class CriticTrunk(nn.Module):
         super().__init__()
         self.backbone, self.value_head = backbone, value_head
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> torch.Tensor:
-        return self.value_head(response_hidden(self.backbone, ids, mask, n_resp))
+    def forward(self, rows: TokenRows) -> torch.Tensor:
+        return self.value_head(response_hidden(self.backbone, rows))
 
 
 # ---- memory ------------------------------------------------------------------------------------------

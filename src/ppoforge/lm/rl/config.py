@@ -5,6 +5,7 @@ without importing it (the estimator records it reads are pure tensor math: `lm/r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ppoforge.config import param
@@ -99,6 +100,10 @@ class RLHFConfig(FaultConfig):
                            choices=tuple(ESTIMATORS))
     num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
                                  "each prompt's G in a row", lo=1, hi=65536)
+    shared_prefix: str = param("auto", "forwards over a rollout run up to G completions of a prompt as one row "
+                               "[prompt, c1, ..., ck] of real tokens: the prompt computed once, no padding "
+                               "(lm/models/rows.py); auto: where the estimated work is lower; off: one padded "
+                               "row per completion, TRL's", choices=("auto", "off"), resume=True)
     scale_rewards: str = param("auto", "grpo: divide advantages by each group's reward std (group), the batch's "
                                "(batch) or not at all (none: Dr. GRPO); rloo: whiten the advantages over the batch "
                                "(batch: TRL's normalize_advantages) or not (none); auto: group for grpo (batch when "
@@ -197,6 +202,15 @@ class RLHFConfig(FaultConfig):
         same) and no rollout pass computes them."""
         return (self.old_logprobs == "auto" and not self.has_critic and self.ppo_epochs == 1
                 and self.mini_batch_size == self.rollout_size and (self.kl_in == "loss" or self.kl_coef == 0))
+
+    def prefix_sizes(self, slices: int = 1) -> tuple[int, ...]:
+        """The shared-prefix unit sizes k >= 2 that tile every micro-batch with whole groups' parts: k divides
+        num_generations, micro_batch_size and each of a mini-batch's `slices` (FSDP: one per rank); none
+        with shared_prefix off or one completion per prompt."""
+        if self.shared_prefix == "off":
+            return ()
+        tile = math.gcd(self.num_generations, self.micro_batch_size, self.mini_batch_size // slices)
+        return tuple(k for k in range(2, tile + 1) if tile % k == 0)
 
     @property
     def stat_keys(self) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -20,11 +20,13 @@ update, which takes them from its own forward: the sampler's stand in for the ro
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
 from ppoforge.lm.models.layouts import Layout
 from ppoforge.lm.models.logprobs import token_logprobs
+from ppoforge.lm.models.rows import TokenRows, padded
 from ppoforge.lm.models.sampler import Samples
 from ppoforge.runtime import distributed
 
@@ -34,29 +36,33 @@ class RolloutPasses:
     values None without a critic, ref logp None without a reference (`reference=False`)."""
 
     def __init__(self, layout: Layout, mode: str, temperature: float, chunk_rows: int, where: str,
-                 critic: bool = True, reference: bool = True, policy: bool = True):
+                 critic: bool = True, reference: bool = True, policy: bool = True,
+                 rows_for: Callable[[torch.Tensor, torch.Tensor, int], TokenRows] = padded):
         self.layout, self.temperature, self.chunk_rows, self.where = layout, temperature, chunk_rows, where
+        self.rows_for = rows_for  # the rollout -> the rows its forwards run (lm/models/rows.py)
         self.critic, self.reference = critic, reference
         trust = {"sampler": True, "recompute": False, "auto": None}[mode]
         self.fast_policy = trust if policy else True  # None: decided on the first rollout
         self.fast_reference = trust if layout.fast_ref_forward is not None else False
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples):
-        m = samples.response_mask
+        m, rows = samples.response_mask, None
+        if self.fast_policy is not True or self.critic or self.reference:  # a pass will run
+            rows = self.rows_for(ids, mask, samples.response_ids.shape[1])
         if self.fast_policy is None:
-            (logp, values), fast = self._policy_plain(ids, mask, samples), self._policy_fast(ids, mask, samples)
+            (logp, values), fast = self._policy_plain(rows, samples), self._policy_fast(rows, samples)
             self.fast_policy = self._same("policy", (logp, values), fast, m, ("log-probs", "values"))
         else:
-            logp, values = (self._policy_fast if self.fast_policy else self._policy_plain)(ids, mask, samples)
+            logp, values = (self._policy_fast if self.fast_policy else self._policy_plain)(rows, samples)
         if not self.reference:
             return logp, values, None
         if self.fast_reference is None:
-            ref = self._reference(ids, mask, samples, self.layout.ref_forward)
-            fast = self._reference(ids, mask, samples, self.layout.fast_ref_forward)
+            ref = self._reference(rows, samples, self.layout.ref_forward)
+            fast = self._reference(rows, samples, self.layout.fast_ref_forward)
             self.fast_reference = self._same("reference", (ref,), (fast,), m, ("log-probs",))
         else:
             forward = self.layout.fast_ref_forward if self.fast_reference else self.layout.ref_forward
-            ref = self._reference(ids, mask, samples, forward)
+            ref = self._reference(rows, samples, forward)
         return logp, values, ref
 
     def _logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
@@ -65,23 +71,23 @@ class RolloutPasses:
         return torch.cat([token_logprobs(head(hidden[s:s + step]), resp[s:s + step], self.temperature,
                                          entropy=False)[0] for s in range(0, resp.shape[0], step)])
 
-    def _policy_plain(self, ids, mask, samples: Samples):
+    def _policy_plain(self, rows: TokenRows, samples: Samples):
         """Log-probs and values from one training forward of the policy (and the critic)."""
-        hidden, values = self.layout.forward(ids, mask, samples.response_ids.shape[1])
+        hidden, values = self.layout.forward(rows)
         return self._logprobs(self.layout.logits, hidden, samples.response_ids), values
 
-    def _policy_fast(self, ids, mask, samples: Samples):
+    def _policy_fast(self, rows: TokenRows | None, samples: Samples):
         """The sampler's log-probs; values from its hidden states where the value head reads the policy's
         trunk, else from the critic's own pass (none without a critic)."""
         if not self.critic:
             return samples.logp, None
         values = None if samples.hidden is None else self.layout.sampled_values(samples.hidden)
         if values is None:
-            values = self.layout.values(ids, mask, samples.response_ids.shape[1])
+            values = self.layout.values(rows)
         return samples.logp, values
 
-    def _reference(self, ids, mask, samples: Samples, forward) -> torch.Tensor:
-        hidden = forward(ids, mask, samples.response_ids.shape[1])
+    def _reference(self, rows: TokenRows, samples: Samples, forward) -> torch.Tensor:
+        hidden = forward(rows)
         return self._logprobs(self.layout.ref_logits, hidden, samples.response_ids)
 
     def _same(self, what: str, plain, fast, m: torch.Tensor, names: tuple[str, ...]) -> bool:

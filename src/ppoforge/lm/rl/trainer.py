@@ -42,6 +42,7 @@ import torch
 from ppoforge.config import config_to_dict
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController
 from ppoforge.core.stats import masked
+from ppoforge.lm.models.rows import RowPlan, attention_cost
 from ppoforge.lm.rl.build import RunInputs, build_inputs
 from ppoforge.lm.rl.collect import Batch, collector_for
 from ppoforge.lm.rl.config import RLHFConfig
@@ -101,8 +102,12 @@ class RLHFTrainer:
                        else FixedKLController(cfg.kl_coef))
         where = f"{self.inputs.device.type} / {self.precision.name} / {self.policy_attention()} attention"
         # `cfg.on_policy` (one optimizer step per rollout): the update's own forward gives the old log-probs
+        # the rows every forward over a rollout runs: a prompt's completions as shared-prefix units, or padded
+        plan = RowPlan(cfg.prefix_sizes(self.world.size if self.sharded else 1),
+                       attention_cost(self.layout.policy_model.config))
         self.passes = RolloutPasses(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
-                                    critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy)
+                                    critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy,
+                                    rows_for=plan.rows)
         self.collector = collector_for(cfg, self.inputs)  # single-turn sampling, or episodes with an env
         self.heldout = Heldout(cfg, self.inputs, self.collector)
         self.gen = torch.Generator(self.inputs.device).manual_seed(cfg.seed)
@@ -118,7 +123,7 @@ class RLHFTrainer:
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
         self.ppo = PPOUpdate(cfg, self.layout, self.precision, self.params, self.guard, self.gen, self.my_rows,
-                             on_step=self._mark_optimizing)
+                             on_step=self._mark_optimizing, plan=plan)
 
     # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
@@ -199,6 +204,7 @@ class RLHFTrainer:
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
         metrics.update({**self.guard.counts, "guard/micro_batch_size": self.ppo.micro_batch,
+                        "perf/shared_prefix_unit": self.ppo.unit,
                         "guard/generation_batch_size": self.collector.gen_batch,
                         "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
                         "perf/samples_per_s": n / elapsed,

@@ -1,0 +1,162 @@
+"""The token rows a forward over a rollout runs: padded rectangles, or shared-prefix units.
+
+A rollout is B sequences `[prompt, response]` (left-padded prompts, right-padded responses). Every forward
+over it — old log-probs, values, the reference, the training forward and backward — needs, for each
+response token, the last hidden state of the position that predicts it. `TokenRows` says what to run
+and where those positions are:
+
+- `padded`: the rollout as it is, one row per sequence (TRL's layout): every copy of a prompt and every
+  padding slot is computed.
+- `shared_prefix`: k completions of one prompt become ONE row `[prompt, c1, ..., ck]` with their real
+  tokens only. Each c_i's positions continue from the prompt's last one and its mask is tree-shaped (the
+  prompt causal; c_i sees the prompt and its own earlier tokens, never c_j), so every token's hidden
+  state is what it is in the sequence alone (fp32: to rounding). The prompt is computed once per unit
+  instead of k times, no padding is computed but the rows' tails, and in backward the prompt's
+  gradients are the sum over its k completions — autograd's own sum over the shared positions, exactly
+  the gradient of the k sequences computed apart. The position that predicts c_i's first token is the
+  prompt's last, which the k completions share.
+
+The price of one row per unit is attention over (prompt + k completions)^2 pairs, of which the tree
+mask uses fewer; `unit_size` picks the k that minimises linear work + attention work, among the sizes
+the caller allows (see `lm/rl/update.py`: a unit must never straddle a micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """ids (R, L), allowed (R, 1, L, L) bool, positions (R, L); `picks` (B, T): for each sequence's T
+    response tokens, the flat index into (R * L) of the position predicting it — None: the padded layout,
+    where that is position P + t - 1 of row b."""
+
+    ids: torch.Tensor
+    allowed: torch.Tensor
+    positions: torch.Tensor
+    n_resp: int
+    picks: torch.Tensor | None = None
+
+    def inputs(self, model) -> dict:
+        """A Hugging Face forward's keyword arguments: the 4D mask (`model`'s attention decides its
+        form), positions, no KV cache."""
+        return {"input_ids": self.ids, "attention_mask": as_attention_bias(self.allowed, model),
+                "position_ids": self.positions, "use_cache": False}
+
+    def response(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, L, H) -> (B, T, H): the hidden states that predict the response tokens."""
+        if self.picks is None:
+            # contiguous: a strided 3D input makes matmul fall back to bmm over a (B, H, V) copy of the LM head
+            return hidden[:, -self.n_resp - 1:-1].contiguous()
+        return hidden.flatten(0, 1)[self.picks]
+
+
+def padded(ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> TokenRows:
+    """The rollout's rows as they are: (B, P + T) ids and their 0/1 mask, causal over real keys."""
+    return TokenRows(ids, causal_mask(mask), position_ids(mask), n_resp)
+
+
+def shared_prefix(ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int) -> TokenRows:
+    """Runs of up to k consecutive rows with the same prompt, each run one row `[prompt, c1, ..., ck]`
+    of real tokens (module docstring), every row as long as the longest (its tail padding attends to
+    itself alone). A row's real response tokens must come first (right padding), as rollouts have them."""
+    n_prompt = ids.shape[1] - n_resp
+    ids_h, mask_h = ids.cpu(), mask.cpu().bool()  # cpu: the layout is planned on the host
+    prompts = [ids_h[i, :n_prompt][mask_h[i, :n_prompt]].tolist() for i in range(ids.shape[0])]
+    lengths = mask_h[:, n_prompt:].sum(1).tolist()
+    units: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if units and len(units[-1]) < k and prompts[units[-1][0]] == prompt:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    width = max(len(prompts[u[0]]) + sum(lengths[i] for i in u) for u in units)
+    rows = torch.zeros(len(units), width, dtype=torch.long)  # cpu: filled on the host, moved at the end
+    branch = torch.full((len(units), width), -1, dtype=torch.long)  # cpu: -1 padding, 0 prompt, i + 1: c_i
+    positions = torch.zeros(len(units), width, dtype=torch.long)  # cpu
+    picks = torch.zeros(ids.shape[0], n_resp, dtype=torch.long)  # cpu
+    for r, unit in enumerate(units):
+        prompt = prompts[unit[0]]
+        p = len(prompt)
+        rows[r, :p], branch[r, :p], positions[r, :p] = torch.tensor(prompt), 0, torch.arange(p)
+        start = p
+        for j, i in enumerate(unit):
+            n = lengths[i]
+            rows[r, start:start + n] = ids_h[i, n_prompt:n_prompt + n]
+            branch[r, start:start + n], positions[r, start:start + n] = j + 1, torch.arange(p, p + n)
+            # token t is predicted by the position before it: the prompt's last for t = 0; padding picks
+            # the last real one (any finite state: it is masked out)
+            before = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + n)])
+            picks[i] = r * width + before[torch.arange(n_resp).clamp(max=n)]
+            start += n
+    q, key = branch[:, :, None], branch[:, None, :]
+    allowed = torch.ones(width, width, dtype=torch.bool).tril() & (key >= 0) & (q >= 0) & ((key == 0) | (key == q))
+    allowed |= torch.eye(width, dtype=torch.bool)
+    device = ids.device
+    return TokenRows(rows.to(device), allowed[:, None].to(device), positions.to(device), n_resp,
+                     picks.to(device))
+
+
+def unit_size(mask: torch.Tensor, n_resp: int, allowed: list[int], attention_cost: float) -> int:
+    """The k of `allowed` (sizes that tile the rollout's groups) that minimises the forward's estimated
+    work, per sequence: (prompt + k * completion) tokens of linear work plus `attention_cost` per query-key
+    pair of one (prompt + k * completion)^2 row, from the rollout's mean real prompt and completion lengths;
+    1 (no sharing) when nothing is allowed."""
+    if not allowed:
+        return 1
+    n_prompt = mask.shape[1] - n_resp
+    p, t = float(mask[:, :n_prompt].sum(1).float().mean()), float(mask[:, n_prompt:].sum(1).float().mean())
+
+    def work(k: int) -> float:
+        length = p + k * t
+        return (length + attention_cost * length * length) / k
+
+    return min([1, *allowed], key=work)
+
+
+def attention_cost(config) -> float:
+    """A query-key pair's attention FLOPs over a token's linear-layer FLOPs, from a model config: 4 x
+    (heads x head dim) against 2 x one decoder layer's weights (q, k, v, o projections and a gated MLP)."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    weights = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
+    return 4 * heads * head_dim / (2 * weights)
+
+
+def unit_order(order: torch.Tensor, k: int) -> torch.Tensor:
+    """A permutation of rollout rows -> one that keeps every unit (k consecutive rows) together, the
+    units in the order their first member appears in `order` and each unit's rows in rollout order: the
+    same draw, shuffled by units."""
+    if k == 1:
+        return order
+    units = order // k
+    first = torch.full((int(units.max()) + 1,), order.numel(), dtype=torch.long, device=order.device)
+    first.scatter_reduce_(0, units, torch.arange(order.numel(), device=order.device), "amin")
+    ranked = first.argsort()
+    return (ranked[:, None] * k + torch.arange(k, device=order.device)).flatten()
+
+
+class RowPlan:
+    """How a run lays out its rollouts: `shared_prefix` units of a size in `sizes` (sizes that tile the
+    micro-batches: see RLHFConfig.prefix_units), the one `unit_size` picks for each rollout, or `padded`
+    when no size is allowed or none pays."""
+
+    def __init__(self, sizes: tuple[int, ...] = (), attention_cost: float = 0.0):
+        self.sizes, self.attention_cost = list(sizes), attention_cost
+
+    def unit(self, mask: torch.Tensor, n_resp: int) -> int:
+        """The unit size for a rollout with this (B, P + T) mask: 1 is the padded layout."""
+        return unit_size(mask, n_resp, self.sizes, self.attention_cost)
+
+    def rows(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int | None = None) -> TokenRows:
+        """The rows of a rollout (k None: its own unit size) or of rows taken from one (that rollout's k)."""
+        k = self.unit(mask, n_resp) if k is None else k
+        return padded(ids, mask, n_resp) if k == 1 else shared_prefix(ids, mask, n_resp, k)
