@@ -187,3 +187,24 @@ def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weight
     assert plain[0].dtype == torch.bfloat16  # the logits: bf16 matmuls
     for a, b in zip(plain, packed, strict=True):  # logits and final hidden states, per call
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["hf", "lean"])
+def test_runs_of_one_prompt_prefill_it_once_and_sample_as_if_each_had_its_own(tiny_model, kind):
+    """`repeats`: rows in runs of equal prompts (GRPO's completions) prefill one copy of each prompt and
+    repeat its KV cache; with the same uniforms the completions and log-probs are those of the plain
+    batch (fp32: to rounding). Rows that are not in runs fall back to the plain prefill."""
+    ids, mask = _left_padded([[5, 9, 13, 17], [5, 9, 13, 17], [5, 9, 13, 17], [40, 41], [40, 41], [40, 41]])
+    params = SamplingParams(8, temperature=1.0, stop_ids=(EOS,), pad_id=PAD)
+    u = torch.rand(8, 6, generator=torch.Generator().manual_seed(2))
+    decoder = (LlamaDecoder if kind == "lean" else HFDecoder)(tiny_model)
+    prefilled, prefill = [], decoder.prefill
+    decoder.prefill = lambda i, m, n: prefilled.append(i.shape[0]) or prefill(i, m, n)
+    shared = sample(decoder, ids, mask, params, uniforms=u, repeats=3)
+    plain = sample(decoder, ids, mask, params, uniforms=u)
+    assert prefilled == [2, 6]
+    assert torch.equal(shared.response_ids, plain.response_ids)
+    assert len(set(map(tuple, plain.response_ids.tolist()))) > 2  # the copies sampled different completions
+    torch.testing.assert_close(shared.logp, plain.logp, atol=1e-5, rtol=0)
+    sample(decoder, ids[[0, 3, 1, 4, 2, 5]], mask, params, uniforms=u, repeats=3)  # not in runs
+    assert prefilled == [2, 6, 6]

@@ -54,6 +54,9 @@ class Decoder(Protocol):
 
     def extend(self, ids: torch.Tensor, valid: torch.Tensor) -> Output: ...  # after a (B, S) chunk, holes allowed
 
+    def repeat(self, n: int) -> None: ...  # after prefill: every row becomes n consecutive rows (a prompt's
+    #   completions decode from one prefill of it)
+
 
 def chunk_attention(keys: torch.Tensor, valid: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For `extend`: write the chunk's validity into the key mask `keys` (B, capacity) at slots [start,
@@ -115,6 +118,11 @@ class HFDecoder:
         pos = (self.next_pos + offsets).clamp(min=0)
         self.next_pos = self.next_pos + valid.sum(1, keepdim=True)
         return self._logits(ids, as_attention_bias(allowed, self.model), pos)
+
+    def repeat(self, n):
+        self.cache.batch_repeat_interleave(n)
+        self.keys, self.step_bias, self.next_pos = (x.repeat_interleave(n, 0)
+                                                    for x in (self.keys, self.step_bias, self.next_pos))
 
 
 class _Layer:
@@ -379,6 +387,11 @@ class LlamaDecoder:
         cos, sin = self.rotary(x, (self.next_pos + offsets).clamp(min=0))
         self.next_pos = self.next_pos + valid.sum(1, keepdim=True)
         return self._forward(x, cos, sin, start, allowed)
+
+    def repeat(self, n):
+        self.caches = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in self.caches]
+        self.keys, self.step_mask, self.next_pos = (x.repeat_interleave(n, 0)
+                                                    for x in (self.keys, self.step_mask, self.next_pos))
 
 
 def decoder_for(model: nn.Module) -> Decoder:

@@ -92,17 +92,25 @@ def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator
 
 @torch.inference_mode()
 def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None) -> Samples:
+           generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None, repeats: int = 1
+           ) -> Samples:
     """Sample up to max_new_tokens per left-padded prompt (B, P); stops early once every row has stopped.
 
     `model` is a Hugging Face causal LM in eval mode (wrapped by `decoder_for`) or a ready Decoder. Run
     it under the caller's autocast. A row that stopped keeps sampling (its tokens are fed back and then
     discarded), so the loop body stays a handful of ops; masks and padding are applied once at the end.
     `uniforms` (max_new_tokens, B), from `draw_uniforms`, replaces drawing them from `generator`.
+    `repeats`: the rows come in runs of this many copies of one prompt (GRPO's completions); where they
+    do, each prompt is prefilled once and its KV cache repeated (`Decoder.repeat`).
     """
     decoder = decoder_for(model) if isinstance(model, nn.Module) else model
     batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
-    logits, hidden = decoder.prefill(prompt_ids, prompt_mask, n_new)
+    if repeats > 1 and _in_runs(prompt_ids, prompt_mask, repeats):
+        logits, hidden = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], n_new)
+        decoder.repeat(repeats)
+        logits, hidden = (None if x is None else x.repeat_interleave(repeats, 0) for x in (logits, hidden))
+    else:
+        logits, hidden = decoder.prefill(prompt_ids, prompt_mask, n_new)
     ids = torch.empty(batch, n_new, dtype=torch.long, device=dev)
     logp = torch.empty(batch, n_new, dtype=torch.float32, device=dev)
     hiddens = None if hidden is None else hidden.new_empty(batch, n_new, hidden.shape[-1])
@@ -125,6 +133,13 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     mask = (is_stop.cumsum(1) - is_stop.long()) == 0  # no stop token strictly before t
     return Samples(ids.masked_fill(~mask, params.pad_id), mask.float(), logp * mask, ~alive,
                    None if hiddens is None else hiddens[:, :t + 1])
+
+
+def _in_runs(ids: torch.Tensor, mask: torch.Tensor, n: int) -> bool:
+    """Do the rows come in runs of n equal rows (ids and mask)?"""
+    if ids.shape[0] % n:
+        return False
+    return all(bool((x.view(-1, n, x.shape[1]) == x[::n, None]).all()) for x in (ids, mask))
 
 
 def concat_samples(parts: list[Samples], pad_id: int) -> Samples:

@@ -106,7 +106,8 @@ class SingleTurn:
         with self.layout.decoder() as decoder, self.precision.autocast():
             parts, self.gen_batch = retry_halving(
                 lambda n: [sample(decoder, prompt_ids[s:s + n], prompt_mask[s:s + n], self.sampling,
-                                  uniforms=uniforms[:, s:s + n]) for s in range(0, prompt_ids.shape[0], n)],
+                                  uniforms=uniforms[:, s:s + n], repeats=self.cfg.num_generations)
+                           for s in range(0, prompt_ids.shape[0], n)],
                 self.gen_batch, "generation batch")
         samples = concat_samples(parts, self.sampling.pad_id)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
