@@ -100,10 +100,10 @@ class RLHFConfig(FaultConfig):
                            choices=tuple(ESTIMATORS))
     num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
                                  "each prompt's G in a row", lo=1, hi=65536)
-    shared_prefix: str = param("auto", "forwards over a rollout run up to G completions of a prompt as one row "
-                               "[prompt, c1, ..., ck] of real tokens: the prompt computed once, no padding "
-                               "(lm/models/rows.py); auto: where the estimated work is lower; off: one padded "
-                               "row per completion, TRL's", choices=("auto", "off"), resume=True)
+    shared_prefix: str = param("auto", "a prompt's G completions decode from one prefill of it, and forwards over "
+                               "a rollout run up to G of them as one row [prompt, c1, ..., ck] of real tokens "
+                               "(lm/models/rows.py), where the estimated work is lower; off: every completion "
+                               "its own prefill and padded row, TRL's", choices=("auto", "off"), resume=True)
     scale_rewards: str = param("auto", "grpo: divide advantages by each group's reward std (group), the batch's "
                                "(batch) or not at all (none: Dr. GRPO); rloo: whiten the advantages over the batch "
                                "(batch: TRL's normalize_advantages) or not (none); auto: group for grpo (batch when "
