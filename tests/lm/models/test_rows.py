@@ -62,11 +62,11 @@ def test_unit_order_keeps_units_together_in_the_order_the_draw_gives():
 
 
 def test_attention_cost_of_smollm2_135m():
-    """SmolLM2-135M: 9 heads x 64, 3 kv heads, 576 hidden, 1536 MLP: 2304 / 2 * 3.54M FLOPs."""
+    """SmolLM2-135M: 9 heads x 64, 3 kv heads, 576 hidden, 1536 MLP: 9 x (256 + 150) / 2 * 3.54M FLOPs."""
     cfg = type("Config", (), {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                               "head_dim": 64, "intermediate_size": 1536})
     weights = 576 * 64 * (18 + 6) + 3 * 576 * 1536
-    assert attention_cost(cfg) == pytest.approx(4 * 576 / (2 * weights))
+    assert attention_cost(cfg) == pytest.approx(9 * (4 * 64 + 150) / (2 * weights))
 
 
 def _layout(tiny_lm_dir, kind: str, attn: str):

@@ -64,42 +64,54 @@ def padded(ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> TokenRows:
 def shared_prefix(ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int) -> TokenRows:
     """Runs of up to k consecutive rows with the same prompt, each run one row `[prompt, c1, ..., ck]`
     of real tokens (module docstring), every row as long as the longest (its tail padding attends to
-    itself alone). A row's real response tokens must come first (right padding), as rollouts have them."""
-    n_prompt = ids.shape[1] - n_resp
-    ids_h, mask_h = ids.cpu(), mask.cpu().bool()  # cpu: the layout is planned on the host
-    prompts = [ids_h[i, :n_prompt][mask_h[i, :n_prompt]].tolist() for i in range(ids.shape[0])]
-    lengths = mask_h[:, n_prompt:].sum(1).tolist()
-    units: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        if units and len(units[-1]) < k and prompts[units[-1][0]] == prompt:
-            units[-1].append(i)
-        else:
-            units.append([i])
-    width = max(len(prompts[u[0]]) + sum(lengths[i] for i in u) for u in units)
-    rows = torch.zeros(len(units), width, dtype=torch.long)  # cpu: filled on the host, moved at the end
-    branch = torch.full((len(units), width), -1, dtype=torch.long)  # cpu: -1 padding, 0 prompt, i + 1: c_i
-    positions = torch.zeros(len(units), width, dtype=torch.long)  # cpu
-    picks = torch.zeros(ids.shape[0], n_resp, dtype=torch.long)  # cpu
-    for r, unit in enumerate(units):
-        prompt = prompts[unit[0]]
-        p = len(prompt)
-        rows[r, :p], branch[r, :p], positions[r, :p] = torch.tensor(prompt), 0, torch.arange(p)
-        start = p
-        for j, i in enumerate(unit):
-            n = lengths[i]
-            rows[r, start:start + n] = ids_h[i, n_prompt:n_prompt + n]
-            branch[r, start:start + n], positions[r, start:start + n] = j + 1, torch.arange(p, p + n)
-            # token t is predicted by the position before it: the prompt's last for t = 0; padding picks
-            # the last real one (any finite state: it is masked out)
-            before = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + n)])
-            picks[i] = r * width + before[torch.arange(n_resp).clamp(max=n)]
-            start += n
+    itself alone). A row's real response tokens must come first (right padding), as rollouts have them.
+    Built with a fixed number of tensor ops, whatever the batch size (no loop over rows)."""
+    device, (batch, width_in) = ids.device, ids.shape
+    n_prompt = width_in - n_resp
+    real = mask.bool()
+    row = torch.arange(batch, device=device)
+    # units: a new one where the prompt changes or a run reaches k rows
+    prompt = torch.where(real[:, :n_prompt], ids[:, :n_prompt], -1)
+    new_run = torch.ones(batch, dtype=torch.bool, device=device)
+    new_run[1:] = (prompt[1:] != prompt[:-1]).any(1)
+    run_start = torch.where(new_run, row, 0).cummax(0).values
+    starts = new_run | ((row - run_start) % k == 0)
+    unit = starts.long().cumsum(0) - 1  # (B,) each row's unit
+    first = torch.where(starts, row, 0).cummax(0).values  # (B,) the unit's first row
+    member = row - first  # (B,) j: the row is c_{j+1} of its unit
+    p = real[:, :n_prompt].sum(1)  # (B,) real prompt tokens
+    n = real[:, n_prompt:].sum(1)  # (B,) real response tokens, first in the response
+    before = n.cumsum(0) - n  # exclusive cumsum of the lengths ...
+    start = p + before - before[first]  # ... within the unit: where each completion begins in its row
+    length = start + n  # (B,) the unit's row up to this completion's end
+    width = int(length.max())
+    n_units = int(unit[-1]) + 1
+    flat_ids = torch.zeros(n_units * width, dtype=torch.long, device=device)
+    branch = torch.full((n_units * width,), -1, dtype=torch.long, device=device)  # -1 pad, 0 prompt, j+1: c_j
+    positions = torch.zeros(n_units * width, dtype=torch.long, device=device)
+    # the prompt's real tokens (left-padded: the last p of the P columns), from each unit's first row
+    col = torch.arange(n_prompt, device=device)
+    slot = col - (n_prompt - p)[:, None]  # (B, P) its slot in the row (< 0 for padding)
+    take = real[:, :n_prompt] & starts[:, None]
+    dest = (unit[:, None] * width + slot)[take]
+    flat_ids[dest], branch[dest], positions[dest] = ids[:, :n_prompt][take], 0, slot[take]
+    # each completion's real tokens after the ones before it in its unit, positions continuing the prompt's
+    t = torch.arange(n_resp, device=device)
+    take = t < n[:, None]  # (B, T)
+    dest = (unit[:, None] * width + start[:, None] + t)[take]
+    flat_ids[dest] = ids[:, n_prompt:][take]
+    branch[dest] = (member[:, None] + 1).expand(-1, n_resp)[take]
+    positions[dest] = (p[:, None] + t).expand(batch, -1)[take]
+    # token t is predicted by the position before it: the prompt's last for t = 0; padding picks the
+    # last real one (any finite state: it is masked out)
+    before_t = torch.where(t == 0, p[:, None] - 1, start[:, None] + torch.minimum(t, n[:, None]) - 1)
+    picks = unit[:, None] * width + before_t
+    branch = branch.view(n_units, width)
     q, key = branch[:, :, None], branch[:, None, :]
-    allowed = torch.ones(width, width, dtype=torch.bool).tril() & (key >= 0) & (q >= 0) & ((key == 0) | (key == q))
-    allowed |= torch.eye(width, dtype=torch.bool)
-    device = ids.device
-    return TokenRows(rows.to(device), allowed[:, None].to(device), positions.to(device), n_resp,
-                     picks.to(device))
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed = causal & (key >= 0) & (q >= 0) & ((key == 0) | (key == q))
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    return TokenRows(flat_ids.view(n_units, width), allowed[:, None], positions.view(n_units, width), n_resp, picks)
 
 
 def unit_size(mask: torch.Tensor, n_resp: int, allowed: list[int], attention_cost: float) -> int:
@@ -119,16 +131,21 @@ def unit_size(mask: torch.Tensor, n_resp: int, allowed: list[int], attention_cos
     return min([1, *allowed], key=work)
 
 
+SOFTMAX_COST = 150  # matmul FLOPs one score element's scale + mask + softmax costs (memory-bound; 90-180 measured)
+
+
 def attention_cost(config) -> float:
-    """A query-key pair's attention FLOPs over a token's linear-layer FLOPs, from a model config: 4 x
-    (heads x head dim) against 2 x one decoder layer's weights (q, k, v, o projections and a gated MLP)."""
+    """A query-key pair's attention work over a token's linear-layer work, from a model config, in matmul
+    FLOPs: per head 4 x head dim (q.k and the weighted sum of v) plus the score's elementwise ops
+    (SOFTMAX_COST, measured on CPU against a matmul), against 2 x one decoder layer's weights (q, k, v, o
+    projections and a gated MLP)."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     inner = getattr(config, "intermediate_size", None) or 4 * hidden
     weights = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
-    return 4 * heads * head_dim / (2 * weights)
+    return heads * (4 * head_dim + SOFTMAX_COST) / (2 * weights)
 
 
 def unit_order(order: torch.Tensor, k: int) -> torch.Tensor:
