@@ -54,8 +54,7 @@ class Decoder(Protocol):
 
     def extend(self, ids: torch.Tensor, valid: torch.Tensor) -> Output: ...  # after a (B, S) chunk, holes allowed
 
-    def repeat(self, n: int) -> None: ...  # after prefill: every row becomes n consecutive rows (a prompt's
-    #   completions decode from one prefill of it)
+    def repeat(self, n: int) -> None: ...  # after prefill: every row becomes n rows (one prefill, n completions)
 
 
 def chunk_attention(keys: torch.Tensor, valid: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
