@@ -399,11 +399,11 @@ def test_an_oom_in_a_micro_batch_halves_it_with_the_same_result(tmp_path, tiny_m
     oom = RLHFTrainer(build_config(RLHFConfig, values), tmp_path / "oom")
     forward, calls = oom.layout.forward, {"n": 0}
 
-    def forward_that_runs_out(ids, mask, n):
+    def forward_that_runs_out(rows):
         calls["n"] += 1
-        if torch.is_grad_enabled() and ids.shape[0] > 2:  # any training micro-batch of more than 2 rows
+        if torch.is_grad_enabled() and rows.ids.shape[0] > 2:  # any training micro-batch of more than 2 rows
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB")
-        return forward(ids, mask, n)
+        return forward(rows)
 
     oom.layout.forward = forward_that_runs_out
     for trainer in (planned, oom):  # plain SGD: Adam's first steps are ~sign(g) and amplify rounding
