@@ -106,12 +106,19 @@ def shared_prefix(ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int) ->
     # last real one (any finite state: it is masked out)
     before_t = torch.where(t == 0, p[:, None] - 1, start[:, None] + torch.minimum(t, n[:, None]) - 1)
     picks = unit[:, None] * width + before_t
-    branch = branch.view(n_units, width)
+    return TokenRows(flat_ids.view(n_units, width), tree_mask(branch.view(n_units, width)),
+                     positions.view(n_units, width), n_resp, picks)
+
+
+def tree_mask(branch: torch.Tensor) -> torch.Tensor:
+    """(R, L) branch ids (-1 padding, 0 the prompt, j: completion j) -> (R, 1, L, L) bool: causal; the
+    prompt sees itself, a completion the prompt and its own tokens; padding its own slot alone."""
+    width = branch.shape[1]
     q, key = branch[:, :, None], branch[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    causal = torch.ones(width, width, dtype=torch.bool, device=branch.device).tril()
     allowed = causal & (key >= 0) & (q >= 0) & ((key == 0) | (key == q))
-    allowed |= torch.eye(width, dtype=torch.bool, device=device)
-    return TokenRows(flat_ids.view(n_units, width), allowed[:, None], positions.view(n_units, width), n_resp, picks)
+    allowed |= torch.eye(width, dtype=torch.bool, device=branch.device)
+    return allowed[:, None]
 
 
 def unit_size(mask: torch.Tensor, n_resp: int, allowed: list[int], attention_cost: float) -> int:
