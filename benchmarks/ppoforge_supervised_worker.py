@@ -46,7 +46,7 @@ def main() -> None:
     steps = args.warmup + args.steps
     fields = {"tokenizer": str(wdir / "tokenizer"), "layout": args.layout, "eval_fraction": 0.0,
               "max_length": args.max_length, "batch_size": args.batch, "micro_batch_size": args.micro,
-              "learning_rate": 2e-4, "warmup_ratio": 0.0, "seed": 0, "precision": "fp32", "device": "cpu",
+              "learning_rate": 2e-4, "warmup_ratio": 0.0, "seed": 0, "precision": args.precision, "device": "cpu",
               "torch_threads": args.threads, "checkpoint_every": 10**9, "eval_every": 10**9,
               "tensorboard": False, "progress": False}
     with tempfile.TemporaryDirectory(prefix="bench-ppoforge-sup-") as run_dir:

@@ -134,6 +134,10 @@ def supervised_worker_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=8, help="examples per forward/backward")
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--precision", default="fp32", help="fp32 or bf16 (TRL: its bf16 flag, autocast; ppoforge: also "
+                   "auto, bf16 where the CPU computes it natively)")
+    p.add_argument("--padding-free", action="store_true", help="TRL SFT: padding_free=True (one packed row per "
+                   "micro-batch, position ids restart per example)")
     return p
 
 

@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="examples (pairs) per optimizer step")
     p.add_argument("--micro", type=int, default=8, help="examples per forward/backward")
     p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--variants", default="trl:fp32,ppoforge:fp32",
+                   help="comma list of framework:precision[:padding-free]; trl: fp32 or bf16 (its bf16 flag, TRL's "
+                        "default, autocast on the CPU), :padding-free for its SFT; ppoforge: fp32, bf16 or auto")
     p.add_argument("--rounds", type=int, default=1, help="runs per configuration, order alternating")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--trl-venv", default=str(HERE.parent / ".bench-venvs" / "trl"))
@@ -56,6 +59,7 @@ def ensure_peft(trl_py: Path) -> None:
 
 
 def combine(meta: dict, runs: list[dict]) -> dict:
+    meta = {**meta, "framework": meta["variant"].split(":")[0]}
     good = [r for r in runs if "error" not in r]
     if not good:
         return {**meta, "error": runs[-1]["error"], "rounds": runs}
@@ -79,19 +83,24 @@ def measure(name: str, args: argparse.Namespace, trl_py: Path) -> list[dict]:
                 common = ["--workload-dir", wdir, "--task", task, "--layout", layout, "--steps", str(args.steps),
                           "--warmup", str(args.warmup), "--batch", str(args.batch), "--micro", str(args.micro),
                           "--max-length", str(args.max_length), "--threads", str(args.threads)]
-                configs.append((task, layout, "trl", [str(trl_py), str(HERE / "trl_supervised_worker.py"), *common]))
-                configs.append((task, layout, "ppoforge",
-                                [sys.executable, str(HERE / "ppoforge_supervised_worker.py"), *common]))
+                for variant in args.variants.split(","):
+                    framework, precision, *extra = variant.split(":")
+                    if extra and task != "sft":
+                        continue  # padding_free is SFTConfig's
+                    worker = [str(trl_py), str(HERE / "trl_supervised_worker.py")] if framework == "trl" else \
+                        [sys.executable, str(HERE / "ppoforge_supervised_worker.py")]
+                    flags = ["--precision", precision, *(["--padding-free"] if extra else [])]
+                    configs.append((task, layout, variant, [*worker, *common, *flags]))
         runs: list[list[dict]] = [[] for _ in configs]
         for rnd in range(args.rounds):
             order = list(enumerate(configs))
-            for i, (task, layout, framework, cmd) in order if rnd % 2 == 0 else order[::-1]:
-                print(f"[{name} r{rnd}] {task} {layout} {framework} ...", end=" ", flush=True)
+            for i, (task, layout, variant, cmd) in order if rnd % 2 == 0 else order[::-1]:
+                print(f"[{name} r{rnd}] {task} {layout} {variant} ...", end=" ", flush=True)
                 res = rlhf_vs_trl.run_worker(cmd, args)
                 print(res.get("error", "").splitlines()[-1:] or f"{res['median_s']:.3f} s/step", flush=True)
                 runs[i].append(res)
-        rows = [combine({"workload": name, "task": t, "layout": lay, "framework": f}, rs)
-                for (t, lay, f, _), rs in zip(configs, runs, strict=True)]
+        rows = [combine({"workload": name, "task": t, "layout": lay, "variant": v}, rs)
+                for (t, lay, v, _), rs in zip(configs, runs, strict=True)]
     tokens = {(r["task"]): r["tokens_per_example"] for r in rows if r.get("tokens_per_example")}
     for r in rows:
         if "error" not in r and r["task"] in tokens:
@@ -100,19 +109,21 @@ def measure(name: str, args: argparse.Namespace, trl_py: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| task | layout | framework | s/step | tokens/s | speed vs TRL | CPU s/step | peak RSS GiB "
-           "| memory vs TRL | other load |", "|---" * 10 + "|"]
+    out = ["| task | layout | variant | s/step | tokens/s | speed vs TRL's first | vs TRL's fastest | CPU s/step "
+           "| peak RSS GiB | memory vs TRL's fastest | other load |", "|---" * 11 + "|"]
     for r in rows:
-        head = f"| {r['task']} | {r['layout']} | {r['framework']} |"
+        head = f"| {r['task']} | {r['layout']} | {r['variant']} |"
         if "error" in r:
-            out.append(f"{head} failed: {r['error'].splitlines()[-1][:80]} | | | | | | |")
+            out.append(f"{head} failed: {r['error'].splitlines()[-1][:80]} | | | | | | | |")
             continue
-        ref = next((t for t in rows if t["framework"] == "trl" and t["task"] == r["task"]
-                    and t["layout"] == r["layout"] and "error" not in t), None)
-        speed = f"{ref['median_s'] / r['median_s']:.2f}×" if ref else "n/a"
-        mem = f"{r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}×" if ref else "n/a"
+        trl = [t for t in rows if t["framework"] == "trl" and t["task"] == r["task"] and t["layout"] == r["layout"]
+               and "error" not in t]
+        first, fastest = (trl[0], min(trl, key=lambda t: t["median_s"])) if trl else (None, None)
+        speed = f"{first['median_s'] / r['median_s']:.2f}×" if first else "n/a"
+        best = f"{fastest['median_s'] / r['median_s']:.2f}×" if fastest else "n/a"
+        mem = f"{r['peak_rss_gib'] / fastest['peak_rss_gib']:.2f}×" if fastest else "n/a"
         flag = " ⚠" if r["other_load_cores"] > rlhf_vs_trl.BUSY else ""
-        out.append(f"{head} {r['median_s']:.3f} | {r.get('tokens_per_s', float('nan')):.0f} | {speed} | "
+        out.append(f"{head} {r['median_s']:.3f} | {r.get('tokens_per_s', float('nan')):.0f} | {speed} | {best} | "
                    f"{r['median_cpu_s']:.2f} | {r['peak_rss_gib']:.2f} | {mem} | {r['other_load_cores']:.2f}{flag} |")
     return "\n".join(out)
 

@@ -5,8 +5,10 @@ are the workload directory's (rlhf_workloads.py): SFT trains `policy/` on sft.js
 completion strings: TRL's completion-only loss), the reward model trains `reward/` (a
 Qwen2ForSequenceClassification) on pairs.jsonl (explicit prompt). Same shape as the ppoforge side:
 `--batch` examples per optimizer step in micro-batches of `--micro` (gradient accumulation), AdamW,
-linear schedule, no evaluation, no checkpoints, fp32 on the CPU, no gradient checkpointing (TRL
-1.12 turns it on by default; ppoforge does not, and recomputing would only slow TRL down here).
+linear schedule, no evaluation, no checkpoints, fp32 on the CPU (`--precision bf16`: TRL's bf16 flag,
+which is its default and on the CPU means bf16 autocast; `--padding-free`: SFTConfig's padding_free), no
+gradient checkpointing (TRL 1.12 turns it on by default; ppoforge does not, and recomputing would only
+slow TRL down here).
 
 How a step is timed: a TrainerCallback stamps perf_counter at on_step_begin and on_step_end (the
 data loading of the step's micro-batches happens inside, as in ppoforge's step); the first
@@ -55,7 +57,7 @@ def main() -> None:
 
     common = dict(per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.batch // args.micro,
                   max_steps=steps, learning_rate=2e-4, lr_scheduler_type="linear", logging_steps=10**6,
-                  save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                  save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, bf16=args.precision == "bf16",
                   dataloader_num_workers=0, gradient_checkpointing=False, disable_tqdm=True, seed=0,
                   max_length=args.max_length)
     peft_config = None
@@ -68,7 +70,10 @@ def main() -> None:
         if args.task == "sft":
             data = load_dataset("json", data_files=str(wdir / "sft.jsonl"), split="train")
             model = AutoModelForCausalLM.from_pretrained(wdir / "policy", dtype=torch.float32)
-            trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=out, **common), train_dataset=data,
+            if args.padding_free:  # TRL refuses a max_length it would not enforce; every row here is shorter
+                common["max_length"] = None
+            sft_args = trl.SFTConfig(output_dir=out, padding_free=args.padding_free, **common)
+            trainer = trl.SFTTrainer(model=model, args=sft_args, train_dataset=data,
                                      processing_class=tok, peft_config=peft_config, callbacks=[Clock()])
         else:
             data = load_dataset("json", data_files=str(wdir / "pairs.jsonl"), split="train")

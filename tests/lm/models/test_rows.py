@@ -129,3 +129,18 @@ def test_row_plan_is_padded_without_sizes_and_shared_where_it_pays():
     ids, mask, t = _rollout([[1] * 30], [[[2] * 3] * 4])
     assert RowPlan().rows(ids, mask, t).picks is None
     assert RowPlan((2, 4), attention_cost=1e-4).rows(ids, mask, t).ids.shape == (1, 30 + 12)
+
+
+def test_branch_rows_put_the_shared_prefix_once_and_each_rest_behind_it():
+    from ppoforge.lm.models.rows import branch_rows, shared_length
+
+    assert shared_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    assert shared_length([[1, 2], [1, 2, 3]]) == 1  # every sequence keeps its last token
+    rows = branch_rows([[[1, 2, 3, 4], [1, 2, 5]], [[7, 8], [7, 9]]], pad_id=0, device="cpu")
+    assert rows.ids.tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 0, 0]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 2], [0, 1, 1, 0, 0]]
+    assert rows.last.tolist() == [3, 4, 6, 7]  # flat (row * 5 + column) of 4, 5, 8, 9
+    allowed = rows.allowed[0, 0].int().tolist()
+    assert allowed[4] == [1, 1, 0, 0, 1]  # the rejected token sees the prefix and itself, not chosen's rest
+    assert allowed[3] == [1, 1, 1, 1, 0]
+    assert rows.allowed[1, 0, 3].int().tolist() == [0, 0, 0, 1, 0]  # padding: its own slot only

@@ -41,7 +41,7 @@ def _sft_cfg(model, data, **kw):
     values = dict(model=str(model), data=str(data), layout="lora", lora_r=4, max_length=64, batch_size=8,
                   micro_batch_size=4, epochs=3, learning_rate=2e-2, eval_every=4, eval_fraction=0.25,
                   torch_threads=1, progress=False, tensorboard=False, device="cpu", sample_prompts=2,
-                  sample_tokens=4)
+                  sample_tokens=4, precision="fp32")  # fp32: the same on every CI CPU (auto is bf16 on some)
     return build_config(SFTConfig, {**values, **kw})
 
 
@@ -126,7 +126,7 @@ def test_a_run_refused_for_its_data_is_one_line_and_the_fixed_retry_reuses_its_r
 def _rm_cfg(model, data, **kw):
     values = dict(model=str(model), data=str(data), layout="full", max_length=64, batch_size=16,
                   micro_batch_size=8, epochs=6, learning_rate=2e-3, eval_every=6, eval_fraction=0.25,
-                  torch_threads=1, progress=False, tensorboard=False, device="cpu")
+                  torch_threads=1, progress=False, tensorboard=False, device="cpu", precision="fp32")
     return build_config(RewardConfig, {**values, **kw})
 
 
@@ -199,6 +199,35 @@ def test_causal_reward_model_batches_score_each_pair_as_alone(tmp_path, tiny_rew
         batch = torch.stack(objective.rewards(items))
         alone = torch.stack([torch.cat(objective.rewards([p])) for p in items], dim=1)
     torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["full", "lora"])
+def test_a_pair_as_one_row_scores_and_trains_exactly_as_two_padded_rows(tmp_path, tiny_reward_model_dir, pairs_file,
+                                                                         layout):
+    """shared_prefix auto (the prompt once, chosen and rejected behind it under a tree mask) against off
+    (two right-padded rows): the same rewards, loss and gradients to fp32 rounding."""
+    from ppoforge.lm.supervised.reward_model import RewardObjective
+
+    results = {}
+    for mode in ("auto", "off"):
+        torch.manual_seed(0)  # the LoRA init
+        objective = RewardObjective(_rm_cfg(tiny_reward_model_dir, pairs_file, layout=layout, shared_prefix=mode),
+                                    tmp_path / mode)
+        assert objective.branched == (mode == "auto")
+        items = objective.train_items[:5]
+        items[0] = type(items[0])(items[0].chosen + items[0].chosen[-3:], items[0].rejected)  # uneven sides
+        loss, _ = objective.loss(items)
+        loss.backward()
+        results[mode] = (torch.stack(objective.rewards(items)).detach(), loss.detach(),
+                         {n: p.grad.clone() for n, p in objective.trainable()})
+    sizes = [objective.size(p) for p in items]  # off: the longer side; auto: both behind one prompt
+    assert all(s < len(p.chosen) + len(p.rejected) for s, p in zip(sizes, items, strict=True))
+    (r_auto, l_auto, g_auto), (r_off, l_off, g_off) = results["auto"], results["off"]
+    torch.testing.assert_close(r_auto, r_off, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(l_auto, l_off, atol=1e-6, rtol=1e-6)
+    assert g_auto.keys() == g_off.keys() and g_auto
+    for n in g_auto:
+        torch.testing.assert_close(g_auto[n], g_off[n], atol=1e-6, rtol=1e-5, msg=n)
 
 
 @pytest.mark.parametrize("kind", ["sft", "reward"])

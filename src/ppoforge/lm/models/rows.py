@@ -184,3 +184,53 @@ class RowPlan:
         """The rows of a rollout (k None: its own unit size) or of rows taken from one (that rollout's k)."""
         k = self.unit(mask, n_resp) if k is None else k
         return padded(ids, mask, n_resp) if k == 1 else shared_prefix(ids, mask, n_resp, k)
+
+
+@dataclass(frozen=True)
+class BranchRows:
+    """Groups of token sequences that share a prefix, one row per group `[prefix, rest_1, ..., rest_k]`
+    (ids, allowed, positions as in `TokenRows`); `last` (N,) the flat index into (R * L) of every
+    sequence's last token, group by group."""
+
+    ids: torch.Tensor
+    allowed: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+
+    def inputs(self, model) -> dict:
+        return {"input_ids": self.ids, "attention_mask": as_attention_bias(self.allowed, model),
+                "position_ids": self.positions, "use_cache": False}
+
+
+def shared_length(seqs: list[list[int]]) -> int:
+    """The longest prefix all of `seqs` share, short of each one's last token (every branch keeps one)."""
+    limit = min(len(s) for s in seqs) - 1
+    n = 0
+    while n < limit and all(s[n] == seqs[0][n] for s in seqs[1:]):
+        n += 1
+    return n
+
+
+def branch_rows(groups: list[list[list[int]]], pad_id: int, device) -> BranchRows:
+    """Each group (sequences with a common prefix, e.g. a preference pair's chosen and rejected) as ONE
+    row: the shared prefix once, then each sequence's rest with positions continuing the prefix's and the
+    tree mask of `tree_mask` — every token's hidden state is what it is in its sequence alone."""
+    rows, branches, positions, last = [], [], [], []
+    for g, seqs in enumerate(groups):
+        n = shared_length(seqs)
+        ids, branch, pos = list(seqs[0][:n]), [0] * n, list(range(n))
+        for j, s in enumerate(seqs, 1):
+            ids += s[n:]
+            branch += [j] * (len(s) - n)
+            pos += range(n, len(s))
+            last.append((g, len(ids) - 1))
+        rows.append(ids), branches.append(branch), positions.append(pos)
+    width = max(len(r) for r in rows)
+
+    def fill(lists: list[list[int]], value: int) -> torch.Tensor:
+        return torch.tensor([r + [value] * (width - len(r)) for r in lists])  # cpu: built on the host, moved below
+
+    branch = fill(branches, -1).to(device)
+    flat_last = torch.tensor([g * width + i for g, i in last])  # cpu: host indices, moved below
+    return BranchRows(fill(rows, pad_id).to(device), tree_mask(branch), fill(positions, 0).to(device),
+                      flat_last.to(device))

@@ -42,7 +42,8 @@ class SupervisedConfig(FaultConfig):
     weight_decay: float = param(0.0, "AdamW weight decay", lo=0.0, hi=10.0)
     max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0, hi=1e9)
     seed: int = param(1, "seed for the data order and initialization", lo=0, hi=2**32 - 1)
-    precision: str = param("fp32", "fp32, bf16, fp16 (CUDA) or auto (bf16 where native)", choices=PRECISION_CHOICES)
+    precision: str = param("auto", "auto: bf16 autocast where the device computes it natively (CUDA >= 8.0, AMX or "
+                           "AVX-512-BF16 CPUs), else fp32; fp32, bf16, fp16 (CUDA)", choices=PRECISION_CHOICES)
     device: str = param("auto", "auto (cuda if visible, else cpu), cpu, cuda or cuda:N", resume=True)
     torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)", lo=1, hi=4096,
                                       resume=True)
@@ -80,4 +81,7 @@ class SFTConfig(SupervisedConfig):
 class RewardConfig(SupervisedConfig):
     center_coef: float = param(0.0, "reward centering: + this * mean((r_chosen + r_rejected)^2) (TRL: 0.01)",
                                lo=0.0, hi=1e3)
+    shared_prefix: str = param("auto", "a causal model scores each pair as one row, the prompt once (tree mask); "
+                               "off: chosen and rejected as two right-padded rows", choices=("auto", "off"),
+                               resume=True)
     use_margin: bool = param(True, "subtract the data's per-pair `margin` column from the gap, where it has one")

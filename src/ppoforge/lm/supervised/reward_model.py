@@ -1,8 +1,11 @@
 """`ppoforge train reward`: a scalar reward model from preference pairs, the second stage of RLHF.
 
 Any `AutoModelForSequenceClassification` with one label: a causal LM (the score at the last real token)
-or an encoder such as MiniLM (its pooled first token). Chosen and rejected run in one right-padded
-forward; the loss is Bradley-Terry with an optional per-pair margin and reward centering
+or an encoder such as MiniLM (its pooled first token). For a causal model, chosen and rejected share
+their prompt: each pair is ONE row `[prompt, chosen's rest, rejected's rest]` with a tree mask
+(`rows.branch_rows`; `shared_prefix: auto`), so the prompt is computed once and neither side pads to the
+other; an encoder (or `shared_prefix: off`, or FSDP) runs both in one right-padded forward. The loss
+is Bradley-Terry with an optional per-pair margin and reward centering
 (`core/preference.py`). The input is what `rewards.RewardModelScorer` feeds it when it scores PPO
 samples (`examples.reward_input_ids`), so the export is a reward PPO can use as it is
 (`train rlhf --reward model:PATH`) and, for a causal model, a critic to start from
@@ -25,6 +28,7 @@ from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import right_pad
 from ppoforge.lm.models.loading import load_reward_model
 from ppoforge.lm.models.parts import export_model, lora_config, lora_wrap
+from ppoforge.lm.models.rows import branch_rows, shared_length
 from ppoforge.lm.supervised.config import RewardConfig
 from ppoforge.lm.supervised.examples import Pair, preference_pairs
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
@@ -57,6 +61,7 @@ class RewardObjective:
         self._trainable = [(n, p) for n, p in self.model.named_parameters()
                            if cfg.layout == "full" or "lora_" in n or "modules_to_save" in n]
         self.causal = is_causal(model.config.model_type)
+        self.backbone, self.head = getattr(model, model.base_model_prefix), getattr(model, "score", None)
         for _, p in self._trainable:
             p.requires_grad_(True)
 
@@ -75,14 +80,27 @@ class RewardObjective:
     def release(self) -> None:
         pass  # every group reshards after its forward
 
+    @property
+    def branched(self) -> bool:
+        """One row per pair (the prompt once): a causal model with its `score` head, called part by part,
+        which FSDP's root (the whole model) would not gather."""
+        return self.cfg.shared_prefix == "auto" and self.causal and self.head is not None and not self.sharded
+
     def size(self, item: Pair) -> int:
+        if self.branched:
+            return len(item.chosen) + len(item.rejected) - shared_length([item.chosen, item.rejected])
         return max(len(item.chosen), len(item.rejected))
 
     def units(self, items: list[Pair]) -> torch.Tensor:
         return torch.tensor(float(len(items)), device=self.device)
 
     def rewards(self, items: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r_chosen, r_rejected), (B,) fp32 each, from one right-padded forward of both sides."""
+        """(r_chosen, r_rejected), (B,) fp32 each, from one forward of both sides."""
+        if self.branched:
+            rows = branch_rows([[p.chosen, p.rejected] for p in items], self.tokenizer.pad_token_id, self.device)
+            hidden = self.backbone(**rows.inputs(self.backbone)).last_hidden_state
+            scores = self.head(hidden.flatten(0, 1)[rows.last])[:, 0].float()  # (2B,) chosen, rejected, ...
+            return scores[0::2], scores[1::2]
         ids, mask = right_pad([p.chosen for p in items] + [p.rejected for p in items], self.tokenizer.pad_token_id,
                               self.device)
         # A causal model needs no padding mask for right-padded rows (its score is read at the last real
