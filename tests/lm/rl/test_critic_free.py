@@ -12,6 +12,7 @@ import ppoforge.lm.rl.update as update_module
 from ppoforge.cli import main
 from ppoforge.config import build_config
 from ppoforge.core.critic_free import grpo_advantages, rloo_advantages
+from ppoforge.core.policy_losses import POLICY_LOSSES
 from ppoforge.lm.models.parts import ValueHead
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.trainer import RLHFTrainer
@@ -58,10 +59,13 @@ def _no_critic(layout) -> None:
     dict(layout="full", learning_rate=1e-3, advantage="rloo", loss_agg="seq_sum_norm"),
     dict(layout="lora", advantage="reinforce_pp", num_generations=1, batch_size=4, kl_target=0.01, kl_horizon=10),
     dict(layout="lora", advantage="reinforce_pp_baseline", kl_coef=0.0),
+    dict(layout="lora", policy_loss="gspo", kl_coef=0.0, loss_agg="seq_mean_token_mean"),
+    dict(layout="lora", policy_loss="cispo", kl_in="loss", kl_estimator="k3", clip_high=4.0),
 ], ids=["grpo-lora", "grpo-lora-kl-loss-clip-high", "grpo-full-k2", "rloo-lora-batch-scale", "rloo-full-dr",
-        "reinforce_pp-adaptive", "reinforce_pp_baseline-no-kl"])
+        "reinforce_pp-adaptive", "reinforce_pp_baseline-no-kl", "gspo", "cispo"])
 def test_critic_free_estimators_train_without_a_critic(cfg_for, tmp_path, overrides):
     trainer = RLHFTrainer(cfg_for(**overrides), tmp_path, reward_fn=index_reward)
+    assert trainer.ppo.policy_loss is POLICY_LOSSES[overrides.get("policy_loss", "ppo")]
     _no_critic(trainer.layout)
     before = _snapshot(trainer.layout.named_trainable())
     result = trainer.run()
@@ -142,13 +146,13 @@ def test_group_statistics_see_the_whole_rollout_before_the_shuffle(cfg_for, tmp_
                   micro_batch_size=4, shared_prefix="off")
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
     seen, rollouts = [], []
-    loss, update = update_module.policy_loss, trainer.ppo_update
+    loss, update = trainer.ppo.policy_loss, trainer.ppo_update
 
     def spy_loss(logp, old_logp, adv, *args, **kwargs):
         seen.append((old_logp.detach().clone(), adv.detach().clone()))
         return loss(logp, old_logp, adv, *args, **kwargs)
 
-    monkeypatch.setattr(update_module, "policy_loss", spy_loss)
+    monkeypatch.setattr(trainer.ppo, "policy_loss", spy_loss)
     trainer.ppo_update = lambda b: (rollouts.append(b), update(b))[1]
     _, table = trainer.train_one_update()
     assert [r["prompt"] for r in table[:4]] == [table[0]["prompt"]] * 4 != [r["prompt"] for r in table[4:]]
@@ -189,15 +193,18 @@ def _grads_after_one_update(cfg, run_dir):
     return captured, metrics, rollouts[0].resp_mask.sum(1)
 
 
-@pytest.mark.parametrize(("advantage", "loss_agg"), [("grpo", "token_mean"), ("grpo", "seq_mean_token_mean"),
-                                                     ("grpo", "seq_sum_norm"), ("gae", "seq_sum_norm")])
-def test_every_loss_agg_is_accumulation_invariant_through_the_trainer(cfg_for, tmp_path, advantage, loss_agg):
+@pytest.mark.parametrize(("advantage", "loss_agg", "extra"), [
+    ("grpo", "token_mean", {}), ("grpo", "seq_mean_token_mean", {}), ("grpo", "seq_sum_norm", {}),
+    ("gae", "seq_sum_norm", {}), ("grpo", "seq_mean_token_mean", dict(policy_loss="gspo", ppo_epochs=2)),
+    ("grpo", "token_mean", dict(policy_loss="cispo", ppo_epochs=2))])
+def test_every_loss_agg_is_accumulation_invariant_through_the_trainer(cfg_for, tmp_path, advantage, loss_agg, extra):
     """micro-batch 8 x accumulation 1 == micro-batch 1 x accumulation 8, the KL loss term included. Ragged
     responses (90 of the ~630 tokens stop a response) so that a token and a sequence weigh differently:
-    with equal lengths a per-micro-batch normalizer would pass too."""
+    with equal lengths a per-micro-batch normalizer would pass too. The gspo and cispo cases compare the
+    second epoch's step, off policy (ratios ~1e-3 off 1, inside the clip: the clipping is tests/core's)."""
     base = dict(advantage=advantage, loss_agg=loss_agg, kl_in="loss", kl_estimator="k3", batch_size=4,
                 num_generations=2, mini_batch_size=8, max_grad_norm=1e6, max_new_tokens=12,
-                stop_tokens=",".join(map(str, range(10, 100))))
+                stop_tokens=",".join(map(str, range(10, 100))), **extra)
     g_big, m_big, lengths = _grads_after_one_update(cfg_for(micro_batch_size=8, **base), tmp_path / "a")
     g_small, m_small, _ = _grads_after_one_update(cfg_for(micro_batch_size=1, **base), tmp_path / "b")
     assert len(set(lengths.tolist())) > 2, lengths
@@ -233,6 +240,7 @@ def _cli(capsys, *args):
      "mini_batch_size: 32 does not divide batch_size x num_generations = 48"),
     (["--loss-agg", "sum"], "loss_agg: 'sum' is not allowed; allowed: token_mean, seq_mean_token_mean, seq_sum_norm"),
     (["--clip-high", "0"], "clip_high: 0.0 is out of range"),
+    (["--policy-loss", "bogus"], "policy_loss: 'bogus' is not allowed; allowed: ppo, gspo, cispo"),
 ])
 def test_bad_combinations_are_one_line_exit_2(capsys, tmp_path, args, message):
     code, err = _cli(capsys, "--run-dir", str(tmp_path / "r"), *args)

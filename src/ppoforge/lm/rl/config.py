@@ -12,6 +12,7 @@ from ppoforge.config import param
 from ppoforge.core.accumulation import LOSS_AGGREGATIONS
 from ppoforge.core.critic_free import SCALES
 from ppoforge.core.kl import KL_ESTIMATORS
+from ppoforge.core.policy_losses import POLICY_LOSSES
 from ppoforge.errors import UserError
 from ppoforge.lm.rl.estimators import ESTIMATORS, Estimator
 from ppoforge.runtime.device import check_device_name
@@ -116,6 +117,10 @@ class RLHFConfig(FaultConfig):
                        choices=("reward", "loss"))
     clip_high: float | None = param(None, "upper ratio clip 1 + this, DAPO's clip-higher (none: 1 + clip)",
                                     gt=0, hi=100.0)
+    policy_loss: str = param("ppo", "policy loss: ppo (each token's ratio clipped); gspo (each response's "
+                             "length-normalized ratio clipped, GSPO's); cispo (REINFORCE with each token's ratio "
+                             "capped at 1 + clip_high and detached as its weight, CISPO's); docs/rlhf.md",
+                             choices=tuple(POLICY_LOSSES))
     # ---- multi-turn episodes with an environment (lm/envs/protocol.py, lm/envs/episodes.py, docs/environments.md)
     env: str | None = param(None, "environment the policy talks with over several turns, one episode per "
                             "prompt row: py:module:Class, textarena:GAME, trl:module:Class or a built-in name "

@@ -1,5 +1,5 @@
 """The PPO update of one rollout: `ppo_epochs` x shuffled mini-batches x accumulated micro-batches, one
-optimizer step per mini-batch.
+optimizer step per mini-batch, on the policy loss `policy_loss` names (ppo, gspo, cispo: core/policy_losses.py).
 
 Each micro-batch's loss is weighted by its share of the mini-batch's loss units (`loss_agg`: tokens or
 sequences, `core/accumulation.py`), counted once per mini-batch over every rank, so that gradient
@@ -18,7 +18,8 @@ import torch
 
 from ppoforge.core.accumulation import loss_aggregation, token_share, unit_share
 from ppoforge.core.kl import kl_penalty
-from ppoforge.core.losses import clip_stats, policy_loss, value_loss
+from ppoforge.core.losses import value_loss
+from ppoforge.core.policy_losses import POLICY_LOSSES
 from ppoforge.core.stats import masked_mean
 from ppoforge.lm.models.layouts import Layout
 from ppoforge.lm.models.logprobs import token_logprobs
@@ -44,6 +45,7 @@ class PPOUpdate:
         self.loss_keys, self.token_keys = cfg.stat_keys
         # (reduce, units) of every loss term; seq_sum_norm's constant is the most policy tokens a row can have
         self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens * cfg.max_turns)
+        self.policy_loss = POLICY_LOSSES[cfg.policy_loss]  # ppo, gspo or cispo (core/policy_losses.py)
         self.micro_batch = cfg.micro_batch_size  # halved on out-of-memory
         self.unit = 1  # the last update's shared-prefix unit size (1: padded rows)
 
@@ -111,12 +113,12 @@ class PPOUpdate:
         with self.precision.full_precision():
             logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
             old_logp, adv = (logp.detach() if cfg.on_policy else b.logp[micro]), b.adv[micro]
-            pg_loss, pg = policy_loss(logp, old_logp, adv, cfg.clip, m, clip_high=cfg.clip_high, reduce=reduce)
-            clipped = clip_stats(logp, old_logp, adv, cfg.clip, cfg.clip_high, m)
+            pg_loss, pg = self.policy_loss(logp, old_logp, adv, cfg.clip, m, cfg.clip_high, reduce)
             ent = masked_mean(entropy, m)
             loss, stats = pg_loss, {"loss/policy_avg": pg_loss.detach(), "policy/entropy_avg": ent.detach(),
                                     "policy/approxkl_avg": pg["approx_kl"], "policy/clipfrac_avg": pg["clipfrac"],
-                                    "val/ratio": pg["ratio"], **{f"clip_ratio/{k}_mean": v for k, v in clipped.items()}}
+                                    "val/ratio": pg["ratio"],
+                                    **{f"clip_ratio/{k}_mean": pg[k] for k in ("low", "high", "region")}}
             if values is not None:  # GAE's critic
                 v_loss, vs = value_loss(values, b.values[micro], b.ret[micro], cfg.value_clip, m, reduce=reduce)
                 loss = loss + cfg.vf_coef * v_loss
