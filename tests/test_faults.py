@@ -24,6 +24,7 @@ from ppoforge.config import build_config
 from ppoforge.control.config import ControlConfig
 from ppoforge.control.trainer import ControlTrainer, train
 from ppoforge.runtime import checkpoint as checkpoint_mod
+from ppoforge.runtime.metrics import read_metrics
 
 TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "2",
         "--progress", "false", "--tensorboard", "false", "--device", "cpu"]
@@ -285,7 +286,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def reward_module(tmp_path, monkeypatch):
-    """A py: reward that raises, or hangs, at its 3rd call (update 3), as REWARD_MODE says."""
+    """A py: reward that raises, or hangs, at its 3rd call (update 3), or collapses after its 1st, as
+    REWARD_MODE says."""
     (tmp_path / "flaky_reward.py").write_text(textwrap.dedent("""
         import os, time
         calls = []
@@ -295,6 +297,8 @@ def reward_module(tmp_path, monkeypatch):
                 raise ValueError("the reward server said 503")
             if len(calls) == 3 and os.environ.get("REWARD_MODE") == "hang":
                 time.sleep(3600)
+            if os.environ.get("REWARD_MODE") == "collapse":  # learned at update 1, then nothing earns
+                return [1.0 if len(calls) == 1 else 0.0 for c in completions]
             return [float(len(c)) for c in completions]
     """))
     monkeypatch.chdir(tmp_path)
@@ -317,6 +321,24 @@ def test_a_reward_that_raises_at_update_3_leaves_update_2_resumable(capsys, tmp_
     code, err = _cli(capsys, "train", "rlhf", "--resume", str(run))
     assert code == 0, err
     assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 5
+
+
+def test_a_run_whose_reward_collapses_is_stopped_by_the_collapse_guard_with_one_line(capsys, tmp_path, tiny_model,
+                                                                                      reward_module, monkeypatch):
+    """The scores fall from 1 to a flat 0 after update 1: updates 2, 3, 4 are degenerate, and with
+    collapse_patience 3 the run stops at update 4 (exit 1), keeping update 3; off, it runs to the end."""
+    monkeypatch.setenv("REWARD_MODE", "collapse")
+    run = tmp_path / "run"
+    code, err = _cli(capsys, *_rlhf_args(tiny_model, run, reward_module, "--total-updates", "6"))
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert "the policy degenerated for 3 updates in a row (update 4: every score 0, below the run's best mean 1)" \
+        in err and "collapse_action: rollback" in err, err
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 3
+    assert [m["guard/collapse_streak"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
+    sys.modules.pop("flaky_reward", None)  # its call count starts again
+    code, err = _cli(capsys, *_rlhf_args(tiny_model, tmp_path / "off", reward_module, "--total-updates", "6",
+                                         "--collapse-patience", "0"))
+    assert code == 0, err
 
 
 def test_a_hung_reward_times_out_with_one_line_and_a_checkpoint(capsys, tmp_path, tiny_model, reward_module,

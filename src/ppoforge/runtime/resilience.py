@@ -14,6 +14,9 @@
   update whose rewards are not all finite is skipped whole), counted in `guard/*` metrics; after
   `nonfinite_patience` bad ones in a row the run stops with one line, or with `nonfinite_action:
   rollback` reloads the last checkpoint, scales the learning rate by `rollback_lr_factor` and goes on.
+- `CollapseGuard`: a run whose numbers are finite but whose policy degenerates (entropy blown up,
+  completions pinned at the token budget, the reward fallen to a flat floor) for `collapse_patience`
+  updates in a row is stopped — or rolled back — the same way, with one line naming the signs.
 """
 
 from __future__ import annotations
@@ -146,6 +149,59 @@ class Trainer(Protocol):
     def train_one_update(self): ...  # one update; what it returns goes to train_loop's `after_update`
 
     def rollback(self) -> None: ...  # back to the last checkpoint when the non-finite guard gives up
+
+
+class CollapseGuard:
+    """Names an RL run that degenerates instead of learning, from three signs measured on each rollout
+    against the run's first update (its baseline, kept in the checkpoint):
+
+    - entropy: the sampled tokens' mean -log p (nats per token) above `ENTROPY_RATIO` x the first's;
+    - budget: at least `BUDGET_SHARE` of the completions end at max_new_tokens without EOS, where at the
+      first update fewer than half did (a policy that never learned EOS is not collapsing);
+    - reward: every score of the rollout equal (no learning signal left) and below the best mean the run
+      has reached (it fell there: a constant reward never trips it).
+
+    An update with any sign adds to a streak, one without resets it; at `patience` (0: off) the run
+    stops (`Fault`, one line: the signs and what to change) or rolls back (`Rollback`)."""
+
+    ENTROPY_RATIO = 2.0
+    BUDGET_SHARE = 0.9
+
+    def __init__(self, patience: int, action: str):
+        self.patience, self.action = patience, action
+        self.first: dict | None = None
+        self.best_reward, self.streak = -math.inf, 0
+
+    def signs(self, entropy: float, clipped: float, reward: float, reward_range: float) -> list[str]:
+        first = self.first = self.first or {"entropy": entropy, "clipped": clipped}
+        out = []
+        if entropy > self.ENTROPY_RATIO * first["entropy"] > 0:
+            out.append(f"entropy {entropy:.2f} nats/token, {entropy / first['entropy']:.1f}x update 1's")
+        if clipped >= self.BUDGET_SHARE and first["clipped"] < 0.5:
+            out.append(f"{clipped:.0%} of completions hit max_new_tokens (update 1: {first['clipped']:.0%})")
+        if reward_range == 0 and reward < self.best_reward:
+            out.append(f"every score {reward:.3g}, below the run's best mean {self.best_reward:.3g}")
+        self.best_reward = max(self.best_reward, reward)
+        return out
+
+    def check(self, update: int, entropy: float, clipped: float, reward: float, reward_range: float) -> None:
+        """After each update, with its rollout's figures; raises when the streak reaches patience."""
+        signs = self.signs(entropy, clipped, reward, reward_range)
+        self.streak = self.streak + 1 if signs else 0
+        if not self.patience or self.streak < self.patience:
+            return
+        self.streak = 0
+        what = f"the policy degenerated for {self.patience} updates in a row (update {update}: {'; '.join(signs)})"
+        if self.action == "rollback":
+            raise Rollback(what)
+        raise Fault(f"{what}: stopped; allowed: a lower learning_rate, precision fp32, a smaller clip_high, "
+                    "kl_coef > 0, or collapse_action: rollback, or collapse_patience: 0 (off)")
+
+    def state_dict(self) -> dict:
+        return {"first": self.first, "best_reward": self.best_reward, "streak": self.streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first, self.best_reward, self.streak = state["first"], state["best_reward"], state["streak"]
 
 
 class RunGuard:

@@ -55,7 +55,7 @@ from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_wr
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, open_run_dir, plot_curves
 from ppoforge.runtime.progress import Progress
-from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.resilience import CollapseGuard, NonFiniteGuard, RunGuard, train_loop
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
@@ -115,6 +115,7 @@ class RLHFTrainer:
         self.cursor = 0   # prompts consumed: the data position, an epoch-wise shuffled stream
         self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
         self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
+        self.collapse = CollapseGuard(cfg.collapse_patience, cfg.collapse_action)
         self.lr_scale = 1.0  # lowered by each non-finite rollback
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
@@ -135,7 +136,7 @@ class RLHFTrainer:
         """What an update changes besides the weights and the optimizer: the run state, the data cursor, the
         shared generator and the KL controller."""
         return {**runstate.step_state(self), "cursor": self.cursor, "generator": self.gen.get_state(),
-                "kl_ctl": self.kl_ctl.state_dict()}
+                "kl_ctl": self.kl_ctl.state_dict(), "collapse": self.collapse.state_dict()}
 
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
@@ -146,6 +147,8 @@ class RLHFTrainer:
         runstate.load_weights(state, self.layout.named_trainable(), self.optimizer)
         self.precision.load_state_dict(state["precision"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if "collapse" in state:  # checkpoints from before the collapse guard start it afresh
+            self.collapse.load_state_dict(state["collapse"])
         runstate.load_step_state(self, state)  # rank 0's RNGs: the other ranks reseed theirs
         distributed.reseed(self.cfg.seed + 1_000_003 * self.update)
         self.gen.set_state(state["generator"])  # the shared generator resumes on every rank
@@ -181,8 +184,8 @@ class RLHFTrainer:
         #    log-probs in passes. Under torchrun: a rank whose reward raised stops every rank (`checked`); the
         #    guard sees all scores
         scores = distributed.all_gather(distributed.checked(self.collector.scores, batch))
-        finite, scores = self.guard.rewards_ok(scores, cfg.reward_clip)
-        scores = scores[self.my_rows] if self.world.size > 1 else scores
+        finite, all_scores = self.guard.rewards_ok(scores, cfg.reward_clip)
+        scores = all_scores[self.my_rows] if self.world.size > 1 else all_scores
         b = self.logprobs_and_values(batch, scores).detached()
         # 3. advantages over the whole rollout, before PPO shuffles it: per-token rewards (-beta * KL with
         #    kl_in: reward, the score at the last token) -> GAE, or a critic-free estimator (its groups)
@@ -200,6 +203,7 @@ class RLHFTrainer:
         self.update += 1
         objective = rollout_metrics(b, batch.samples.finished, kl, non_score, cfg.num_generations)
         objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in self.collector.metrics(batch).items()}
+        objective["objective/score_range"] = all_scores.max() - all_scores.min()  # the whole rollout's
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
@@ -213,6 +217,11 @@ class RLHFTrainer:
                         "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows)})
         table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
                                          zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
+        # 6. a degenerating policy (finite numbers, no learning) is named and stopped, not trained on
+        self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
+                            metrics["completions/clipped_ratio"], metrics["objective/scores"],
+                            metrics["objective/score_range"])
+        metrics["guard/collapse_streak"] = self.collapse.streak
         return metrics, table
 
     def collect(self, prompts: list[int]) -> Batch:
@@ -267,7 +276,7 @@ class RLHFTrainer:
         try:
             if self.update == 0:
                 self._log_heldout(logger)
-                if cfg.nonfinite_action == "rollback":
+                if "rollback" in (cfg.nonfinite_action, cfg.collapse_action):
                     self.run_guard.save()  # a rollback needs a checkpoint to go back to
             stopped = train_loop(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every, after_update)
             if self.update == cfg.total_updates and not stopped:
