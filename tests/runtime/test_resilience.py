@@ -238,14 +238,17 @@ def test_the_collapse_guard_names_each_sign_against_the_first_update():
     from ppoforge.runtime.resilience import CollapseGuard
 
     guard = CollapseGuard(patience=3, action="stop")
-    assert guard.signs(entropy=1.0, clipped=0.1, reward=0.5, reward_range=1.0) == []  # update 1: the baseline
-    assert guard.signs(2.0, 0.1, 0.5, 1.0) == []  # 2x is the limit, not over it
-    assert guard.signs(2.5, 0.95, 0.0, 0.0) == ["entropy 2.50 nats/token, 2.5x update 1's",
-                                                "95% of completions hit max_new_tokens (update 1: 10%)",
-                                                "every score 0, below the run's best mean 0.5"]
+    assert guard.signs(entropy=1.0, clipped=0.1, reward=0.5, low=0.0, high=1.0) == []  # update 1: the baseline
+    assert guard.signs(2.0, 0.1, 0.5, 0.0, 1.0) == []  # 2x is the limit, not over it
+    assert guard.signs(2.5, 0.95, 0.0, 0.0, 0.0) == ["entropy 2.50 nats/token, 2.5x update 1's",
+                                                     "95% of completions hit max_new_tokens (update 1: 10%)",
+                                                     "every score 0, below the run's best mean 0.5"]
     # a policy that never learned EOS (update 1 already at the budget) and a constant reward are not collapse
     never = CollapseGuard(3, "stop")
-    assert [never.signs(1.0, 1.0, 0.0, 0.0) for _ in range(5)] == [[]] * 5
+    assert [never.signs(1.0, 1.0, 0.0, 0.0, 0.0) for _ in range(5)] == [[]] * 5
+    # nor a sparse 0/1 reward whose best mean is a few successes: 0.2 < 25 % of the range 1
+    sparse = CollapseGuard(3, "stop")
+    assert [sparse.signs(1.0, 0.1, r, 0.0, 1.0 if r else 0.0) for r in (0.1, 0.2, 0.0, 0.0)] == [[]] * 4
 
 
 def test_the_collapse_guard_acts_after_patience_updates_in_a_row_and_resets_on_a_good_one():
@@ -253,20 +256,20 @@ def test_the_collapse_guard_acts_after_patience_updates_in_a_row_and_resets_on_a
     from ppoforge.runtime.resilience import CollapseGuard
 
     guard = CollapseGuard(patience=2, action="stop")
-    guard.check(1, 1.0, 0.0, 1.0, 1.0)
-    guard.check(2, 3.0, 0.0, 1.0, 1.0)  # a sign: streak 1
-    guard.check(3, 1.0, 0.0, 1.0, 1.0)  # none: streak 0
+    guard.check(1, 1.0, 0.0, 1.0, 0.0, 2.0)
+    guard.check(2, 3.0, 0.0, 1.0, 0.0, 2.0)  # a sign: streak 1
+    guard.check(3, 1.0, 0.0, 1.0, 0.0, 2.0)  # none: streak 0
     assert guard.streak == 0
     state = guard.state_dict()
-    guard.check(4, 3.0, 0.0, 1.0, 1.0)
+    guard.check(4, 3.0, 0.0, 1.0, 0.0, 2.0)
     with pytest.raises(Fault, match=r"^the policy degenerated for 2 updates in a row \(update 5: entropy 3.00"):
-        guard.check(5, 3.0, 0.0, 1.0, 1.0)
+        guard.check(5, 3.0, 0.0, 1.0, 0.0, 2.0)
     back = CollapseGuard(2, "rollback")
     back.load_state_dict(state)
-    back.check(4, 3.0, 0.0, 1.0, 1.0)
+    back.check(4, 3.0, 0.0, 1.0, 0.0, 2.0)
     with pytest.raises(Rollback):
-        back.check(5, 3.0, 0.0, 1.0, 1.0)
+        back.check(5, 3.0, 0.0, 1.0, 0.0, 2.0)
     off = CollapseGuard(0, "stop")
     for update in range(1, 6):
-        off.check(update, 1.0 if update == 1 else 9.0, 0.0, 1.0, 1.0)
+        off.check(update, 1.0 if update == 1 else 9.0, 0.0, 1.0, 0.0, 2.0)
     assert off.streak == 4  # counted, never acted on

@@ -159,34 +159,39 @@ class CollapseGuard:
     - budget: at least `BUDGET_SHARE` of the completions end at max_new_tokens without EOS, where at the
       first update fewer than half did (a policy that never learned EOS is not collapsing);
     - reward: every score of the rollout equal (no learning signal left) and below the best mean the run
-      has reached (it fell there: a constant reward never trips it).
+      has reached by at least `REWARD_FALL` of the range of scores it has seen (it fell there from real
+      progress: a constant reward never trips it, nor a sparse one whose few successes made that best).
 
     An update with any sign adds to a streak, one without resets it; at `patience` (0: off) the run
     stops (`Fault`, one line: the signs and what to change) or rolls back (`Rollback`)."""
 
     ENTROPY_RATIO = 2.0
     BUDGET_SHARE = 0.9
+    REWARD_FALL = 0.25  # 32 binary scores at a 25 % success rate are all 0 once in 10^4 rollouts
 
     def __init__(self, patience: int, action: str):
         self.patience, self.action = patience, action
         self.first: dict | None = None
-        self.best_reward, self.streak = -math.inf, 0
+        self.best_reward, self.low, self.high, self.streak = -math.inf, math.inf, -math.inf, 0
 
-    def signs(self, entropy: float, clipped: float, reward: float, reward_range: float) -> list[str]:
+    def signs(self, entropy: float, clipped: float, reward: float, low: float, high: float) -> list[str]:
+        """The signs of this rollout: its token entropy, share of completions at the budget, mean score
+        and lowest and highest score."""
         first = self.first = self.first or {"entropy": entropy, "clipped": clipped}
         out = []
         if entropy > self.ENTROPY_RATIO * first["entropy"] > 0:
             out.append(f"entropy {entropy:.2f} nats/token, {entropy / first['entropy']:.1f}x update 1's")
         if clipped >= self.BUDGET_SHARE and first["clipped"] < 0.5:
             out.append(f"{clipped:.0%} of completions hit max_new_tokens (update 1: {first['clipped']:.0%})")
-        if reward_range == 0 and reward < self.best_reward:
+        self.low, self.high = min(self.low, low), max(self.high, high)
+        if low == high and self.best_reward - reward >= self.REWARD_FALL * (self.high - self.low) > 0:
             out.append(f"every score {reward:.3g}, below the run's best mean {self.best_reward:.3g}")
         self.best_reward = max(self.best_reward, reward)
         return out
 
-    def check(self, update: int, entropy: float, clipped: float, reward: float, reward_range: float) -> None:
-        """After each update, with its rollout's figures; raises when the streak reaches patience."""
-        signs = self.signs(entropy, clipped, reward, reward_range)
+    def check(self, update: int, entropy: float, clipped: float, reward: float, low: float, high: float) -> None:
+        """After each update, with its rollout's figures (`signs`); raises when the streak reaches patience."""
+        signs = self.signs(entropy, clipped, reward, low, high)
         self.streak = self.streak + 1 if signs else 0
         if not self.patience or self.streak < self.patience:
             return
@@ -198,10 +203,12 @@ class CollapseGuard:
                     "kl_coef > 0, or collapse_action: rollback, or collapse_patience: 0 (off)")
 
     def state_dict(self) -> dict:
-        return {"first": self.first, "best_reward": self.best_reward, "streak": self.streak}
+        return {"first": self.first, "best_reward": self.best_reward, "low": self.low, "high": self.high,
+                "streak": self.streak}
 
     def load_state_dict(self, state: dict) -> None:
         self.first, self.best_reward, self.streak = state["first"], state["best_reward"], state["streak"]
+        self.low, self.high = state["low"], state["high"]
 
 
 class RunGuard:

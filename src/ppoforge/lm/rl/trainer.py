@@ -203,7 +203,7 @@ class RLHFTrainer:
         self.update += 1
         objective = rollout_metrics(b, batch.samples.finished, kl, non_score, cfg.num_generations)
         objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in self.collector.metrics(batch).items()}
-        objective["objective/score_range"] = all_scores.max() - all_scores.min()  # the whole rollout's
+        objective |= {"objective/score_min": all_scores.min(), "objective/score_max": all_scores.max()}  # global
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
@@ -220,7 +220,7 @@ class RLHFTrainer:
         # 6. a degenerating policy (finite numbers, no learning) is named and stopped, not trained on
         self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
                             metrics["completions/clipped_ratio"], metrics["objective/scores"],
-                            metrics["objective/score_range"])
+                            metrics["objective/score_min"], metrics["objective/score_max"])
         metrics["guard/collapse_streak"] = self.collapse.streak
         return metrics, table
 
