@@ -40,7 +40,8 @@ def tiny_models(tmp_path_factory):
 
 def _spec(tiny_models, **ppo):
     policy, rm, pairs, sft = tiny_models
-    common = {"progress": False, "tensorboard": False, "device": "cpu", "torch_threads": 1}
+    # fp32: one process and two ranks are compared to 1e-4, which bf16 (auto, on some CPUs) does not hold
+    common = {"progress": False, "tensorboard": False, "device": "cpu", "torch_threads": 1, "precision": "fp32"}
     return {"sft": {"model": str(policy), "data": str(sft), "lora_r": 4, "batch_size": 8, "micro_batch_size": 8,
                     "epochs": 1, "max_length": 64, "sample_prompts": 1, "sample_tokens": 3, **common},
             "reward": {"model": str(rm), "data": str(pairs), "layout": "full", "batch_size": 8, "micro_batch_size": 8,

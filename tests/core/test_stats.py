@@ -1,6 +1,7 @@
 """Masked statistics, whitening, and the running normalizer."""
 
 import numpy as np
+import pytest
 import torch
 
 from ppoforge.core.stats import RunningMeanStd, masked_mean, masked_var, whiten
@@ -43,3 +44,15 @@ def test_running_mean_std_equals_batch_statistics():
     restored = RunningMeanStd((3,))
     restored.load_state_dict(rms.state_dict())
     np.testing.assert_array_equal(restored.mean, rms.mean)
+
+
+def test_binomial_interval_is_wilsons():
+    from ppoforge.core.stats import binomial_interval
+
+    # 5 of 10: p = 0.5, z^2 = 3.8416: centre 0.5, half = 1.96 / 1.38416 * sqrt(0.025 + 0.009604) = 0.26341
+    lo, hi = binomial_interval(5, 10)
+    assert lo == pytest.approx(0.23659, abs=1e-5) and hi == pytest.approx(0.76341, abs=1e-5)
+    # 0 of 10: not a point at 0 (the normal approximation's): [0, z^2 / (n + z^2)] = [0, 0.27754]
+    assert binomial_interval(0, 10) == pytest.approx((0.0, 0.27754), abs=1e-5)
+    assert binomial_interval(10, 10) == pytest.approx((0.72246, 1.0), abs=1e-5)
+    assert binomial_interval(0, 0) == (0.0, 1.0)

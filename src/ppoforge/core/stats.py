@@ -99,3 +99,16 @@ class RunningMeanStd:
         self.mean = np.asarray(state["mean"], np.float64)
         self.var = np.asarray(state["var"], np.float64)
         self.count = float(state["count"])
+
+
+def binomial_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for a success rate (Wilson 1927; Brown, Cai & DasGupta 2001 recommend it
+    over the normal approximation, which collapses to a point at 0 and n successes): the 95 % interval
+    at z = 1.96. (0, 1) when n is 0. It treats the n trials as independent: several samples of one
+    problem are not, so over samples it is narrower than over problems."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * float(np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)))
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -98,7 +98,9 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str = "") -> Path | None:
-    """One subplot per key that appears in the log, x = step. Returns the PNG path, or None."""
+    """One subplot per key that appears in the log, x = step. Returns the PNG path, or None. An `eval/`
+    key is drawn as its measured points (a line between two evaluations would read as progress nobody
+    measured), with error bars where the log has `KEY_lo` and `KEY_hi`."""
     import matplotlib  # plotting only: matplotlib loads when a plot is drawn, not with the trainer
 
     matplotlib.use("Agg")
@@ -110,8 +112,14 @@ def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str =
         return None
     fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.4), squeeze=False)
     for ax, key in zip(axes[0], present, strict=True):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.5)
+        pts = [r for r in rows if isinstance(r.get(key), (int, float))]
+        x, y = [r["step"] for r in pts], [r[key] for r in pts]
+        if key.startswith("eval/"):
+            bars = [[v - r.get(f"{key}_lo", v) for r, v in zip(pts, y, strict=True)],
+                    [r.get(f"{key}_hi", v) - v for r, v in zip(pts, y, strict=True)]]
+            ax.errorbar(x, y, yerr=bars, fmt="o", ms=5, capsize=3, lw=1.2)
+        else:
+            ax.plot(x, y, lw=1.5)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from ppoforge.errors import UserError
-from ppoforge.lm.data.prompts import load_prompts, render_prompt
+from ppoforge.lm.data.prompts import load_prompts, render_prompt, without
 from ppoforge.lm.models.loading import load_tokenizer
 
 ROWS = [{"prompt": "Write one sentence about rain.", "topic": "weather"},
@@ -134,3 +134,12 @@ def test_a_broken_file_is_one_line_naming_it_what_is_wrong_and_what_is_allowed(b
         load_prompts(str(path))
     assert "\n" not in str(e.value) and "DatasetGenerationError" not in str(e.value)
     assert capfd.readouterr().err == ""  # no library log lines or progress bars besides the one line
+
+
+def test_without_leaves_out_the_held_out_prompts_and_refuses_when_none_is_left(capsys):
+    rows = [{"prompt": p, "i": i} for i, p in enumerate(["a", "b", "a", "c"])]
+    assert without(rows, [{"prompt": "a"}, {"prompt": "z"}], "prompt") == [rows[1], rows[3]]
+    assert "2 of 4 training prompts are also held-out prompts" in capsys.readouterr().err
+    assert without(rows, [{"prompt": "z"}], "prompt") == rows and not capsys.readouterr().err
+    with pytest.raises(UserError, match=r"^prompts: all 4 training prompts are also held-out prompts"):
+        without(rows, rows, "prompt")

@@ -47,8 +47,10 @@ def test_arithmetic_demo_reports_accuracy_and_writes_its_curve(tiny_lm_dir, tmp_
     run = tmp_path / "arith"
     assert main(["demo", "--task", "arithmetic", "--model", str(tiny_lm_dir), *TINY_GRPO, "--run-dir", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "GRPO teaches" in out and "held-out accuracy (exact answer, 3 completions):" in out
+    assert "GRPO teaches" in out and "held-out accuracy (exact answer; 3 completions of 3 problems never trained " \
+        "on; 95 % Wilson intervals over completions): " in out
     assert "held-out accuracy by update: 0: " in out and ", 1: " in out and ", 2: " in out  # chunked, resumed
+    assert "% [0.0%, " in out or "100.0%]" in out  # each accuracy with its interval
     for name in ("checkpoint.pt", "metrics.jsonl", "completions.jsonl", "accuracy.jsonl", "accuracy.png"):
         assert (run / name).is_file(), name
     curve = [json.loads(line) for line in (run / "accuracy.jsonl").read_text().splitlines()]

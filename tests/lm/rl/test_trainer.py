@@ -280,25 +280,36 @@ def _cli(capsys, *args):
 
 def test_cli_trains_and_resumes(tiny_lm_dir, prompts_file, tmp_path, capsys):
     run = tmp_path / "run"
+    held = tmp_path / "heldout.jsonl"  # 2 of the training prompts and one other: those 2 leave training
+    held.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*PROMPTS[:2], "a poem about the sea"]))
     common = ["--model", str(tiny_lm_dir), "--prompts", str(prompts_file), "--reward", "length:4",
-              "--heldout-prompts", str(prompts_file), "--batch-size", "4", "--mini-batch-size", "4",
+              "--heldout-prompts", str(held), "--heldout-every", "1", "--batch-size", "4", "--mini-batch-size", "4",
               "--micro-batch-size", "2", "--max-new-tokens", "4", "--progress", "false", "--tensorboard",
               "false"]
-    code, err = _cli(capsys, "--preset", "tiny", "--total-updates", "1", "--run-dir", str(run), *common)
+    code, err = _cli(capsys, "--preset", "tiny", "--total-updates", "2", "--run-dir", str(run), *common)
     assert code == 0, err
+    assert "2 of 8 training prompts are also held-out prompts: left out of training (heldout_disjoint)" in err
     assert (run / "policy" / "config.json").is_file()
     metrics = read_metrics(run / "metrics.jsonl")
-    assert [r.get("eval/scores") is not None for r in metrics] == [True, False, True]
-    # held-out: every prompt sampled heldout_samples (default 4) times, before and after; eval/scores is their mean
-    heldout = [r for r in map(json.loads, (run / "completions.jsonl").read_text().splitlines())
-               if r["split"] == "heldout"]
-    assert len(heldout) == 2 * len(PROMPTS) * 4
+    # held-out before training, after update 1 (heldout_every) and at the end
+    assert [r["step"] for r in metrics if "eval/scores" in r] == [0, 1, 2]
+    rows = list(map(json.loads, (run / "completions.jsonl").read_text().splitlines()))
+    assert not {r["prompt"] for r in rows if r["split"] == "train"} & set(PROMPTS[:2])  # held out is held out
+    # held-out: every prompt sampled heldout_samples (default 4) times; eval/scores is their mean, with the
+    # mean's 95 % interval
+    heldout = [r for r in rows if r["split"] == "heldout"]
+    assert len(heldout) == 3 * 3 * 4
     before = [r for r in heldout if r["step"] == 0]
-    assert sorted(r["sample"] for r in before) == sorted(list(range(4)) * len(PROMPTS))
-    assert metrics[0]["eval/scores"] == pytest.approx(sum(r["score"] for r in before) / len(before))
-    code, err = _cli(capsys, "--resume", str(run), "--total-updates", "2")
+    assert sorted(r["sample"] for r in before) == sorted(list(range(4)) * 3)
+    first = metrics[0]
+    assert first["eval/scores"] == pytest.approx(sum(r["score"] for r in before) / len(before))
+    assert first["eval/scores_lo"] <= first["eval/scores"] <= first["eval/scores_hi"]
+    code, err = _cli(capsys, "--resume", str(run), "--total-updates", "3")
     assert code == 0, err
-    assert read_metrics(run / "metrics.jsonl")[-2]["step"] == 2
+    assert read_metrics(run / "metrics.jsonl")[-2]["step"] == 3
+    code, err = _cli(capsys, "--resume", str(run), "--total-updates", "4", "--heldout-prompts", "none")
+    assert code == 2 and "heldout_prompts: this held-out set leaves 8 training prompts where the run trained on 6" \
+        in err, err
 
 
 @pytest.mark.parametrize("args, message", [

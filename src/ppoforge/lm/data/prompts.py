@@ -15,6 +15,7 @@ cheerful or gloomy, which is what a sentiment reward has to steer.
 
 from __future__ import annotations
 
+import sys
 from importlib import resources
 
 from transformers import PreTrainedTokenizerBase
@@ -80,6 +81,20 @@ def load_prompts(source: str, field: str = "prompt", split: str = "train",
     rows = rows[:limit]
     _check_rows(rows, columns, field, where)
     return rows
+
+
+def without(rows: list[dict], held: list[dict], field: str) -> list[dict]:
+    """`rows` less every row whose `field` text is also one of `held`'s: training prompts disjoint from the
+    held-out ones (`heldout_disjoint`). Refused in one line when nothing would be left."""
+    seen = {r[field] for r in held}
+    kept = [r for r in rows if r[field] not in seen]
+    if not kept:
+        raise UserError(f"prompts: all {len(rows)} training prompts are also held-out prompts (heldout_disjoint); "
+                        "allowed: a held-out set of other prompts, or heldout_disjoint false")
+    if len(kept) < len(rows):
+        print(f"ppoforge: prompts: {len(rows) - len(kept)} of {len(rows)} training prompts are also held-out "
+              "prompts: left out of training (heldout_disjoint)", file=sys.stderr)
+    return kept
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool = True) -> str:

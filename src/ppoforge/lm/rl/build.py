@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ppoforge.errors import UserError
-from ppoforge.lm.data.prompts import load_prompts, render_prompt
+from ppoforge.lm.data.prompts import load_prompts, render_prompt, without
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
 from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 from ppoforge.lm.models.parts import cast_linears
@@ -137,6 +137,8 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
     rows = load_prompts(cfg.prompts, cfg.prompt_field)
     heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
+    if cfg.heldout_disjoint and heldout and not cfg.env:
+        rows = without(rows, heldout, cfg.prompt_field)
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if cfg.env:  # the environment's reset() gives each episode's first messages, and it scores the episode

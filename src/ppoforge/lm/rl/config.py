@@ -52,6 +52,11 @@ class RLHFConfig(FaultConfig):
     prompt_field: str = param("prompt", "field of each row that holds the prompt text")
     heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
                                         "(eval/ metrics); none to skip", resume=True)
+    heldout_every: int = param(0, "also evaluate the held-out prompts every this many updates (0: before and "
+                               "after training only)", lo=0, hi=10**9, resume=True)
+    heldout_disjoint: bool = param(True, "leave every training prompt that is also a held-out prompt (the same "
+                                   "text) out of training, so eval/ scores measure problems never trained on "
+                                   "(without an env: an env's episodes differ by seed)")
     heldout_samples: int = param(4, "completions sampled per held-out prompt; eval/scores averages all of "
                                  "them (one sample of 16 prompts swung the mean by +-0.13 here)",
                                  lo=1, hi=4096, resume=True)

@@ -23,6 +23,7 @@ import textwrap
 from pathlib import Path
 
 from ppoforge.config import build_config, read_preset
+from ppoforge.core.stats import binomial_interval
 from ppoforge.errors import UserError
 from ppoforge.lm.data.prompts import load_prompts
 from ppoforge.lm.data.tasks import task_reward
@@ -34,7 +35,7 @@ from ppoforge.runtime.precision import resolve_precision
 
 SHOWN = 4  # held-out prompts printed before/after
 TASKS = {"sentiment": "demo", "arithmetic": "arithmetic_demo"}  # --task -> its preset
-EVALUATIONS = 3  # arithmetic: held-out accuracy after each third of the updates (and before the first)
+EVALUATIONS = 4  # arithmetic: held-out accuracy after each quarter of the updates (and before the first)
 
 
 def _completions(run_dir: Path, split: str) -> list[dict]:
@@ -134,8 +135,11 @@ def accuracy_curve(cfg: RLHFConfig, run_dir: Path) -> list[dict]:
         for step in sorted({r["step"] for r in rows}):
             marks = exact(cfg, split, [r for r in rows if r["step"] == step])
             point = points.setdefault(step, {"step": step})
-            point[f"{prefix}/accuracy"] = _mean(ok for _, ok in marks)
+            right = sum(ok for _, ok in marks)
+            point[f"{prefix}/accuracy"] = right / len(marks)
+            point[f"{prefix}/accuracy_lo"], point[f"{prefix}/accuracy_hi"] = binomial_interval(right, len(marks))
             point[f"{prefix}/in_tags"] = _mean(tagged for tagged, _ in marks)
+            point[f"{prefix}/completions"] = len(marks)
     for m in read_metrics(Path(run_dir) / "metrics.jsonl"):
         if "objective/scores" in m:
             points.setdefault(m["step"], {"step": m["step"]})["objective/scores"] = m["objective/scores"]
@@ -158,13 +162,21 @@ def arithmetic_summary(cfg: RLHFConfig, run_dir: Path, curve: list[dict]) -> str
         for j in range(max(len(c) for c in cells)):
             left, right = (c[j] if j < len(c) else "" for c in cells)
             lines.append(f"{question if j == 0 else '':<18} | {left:<{width}} | {right}")
-    lines.append(f"held-out accuracy (exact answer, {len(before)} completions): {evals[0]['eval/accuracy']:.1%} "
-                 f"(before) -> {evals[-1]['eval/accuracy']:.1%} (after); answers in <answer> tags "
+    problems = len({r["prompt"] for r in before})
+    lines.append(f"held-out accuracy (exact answer; {len(before)} completions of {problems} problems never trained "
+                 f"on; 95 % Wilson intervals over completions): {_rate(evals[0], 'eval')} (before) -> "
+                 f"{_rate(evals[-1], 'eval')} (after); answers in <answer> tags "
                  f"{evals[0]['eval/in_tags']:.1%} -> {evals[-1]['eval/in_tags']:.1%}")
-    lines.append("held-out accuracy by update: " + ", ".join(f"{p['step']}: {p['eval/accuracy']:.1%}" for p in evals))
-    lines.append(f"training accuracy: first update {trained[0]:.1%}, mean of the last {min(5, len(trained))} "
-                 f"{_mean(trained[-5:]):.1%}")
+    lines.append("held-out accuracy by update: " + ", ".join(f"{p['step']}: {_rate(p, 'eval')}" for p in evals))
+    lines.append(f"training-distribution accuracy (the rollouts' own problems, sampled at the training temperature): "
+                 f"first update {trained[0]:.1%}, mean of the last {min(5, len(trained))} {_mean(trained[-5:]):.1%}")
     return "\n".join(lines)
+
+
+def _rate(point: dict, prefix: str) -> str:
+    """'23.4% [15.1%, 34.5%]': an accuracy and its interval."""
+    return (f"{point[f'{prefix}/accuracy']:.1%} [{point[f'{prefix}/accuracy_lo']:.1%}, "
+            f"{point[f'{prefix}/accuracy_hi']:.1%}]")
 
 
 def run_arithmetic(cfg: RLHFConfig, run_dir: Path) -> None:

@@ -42,6 +42,7 @@ import torch
 from ppoforge.config import config_to_dict
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController
 from ppoforge.core.stats import masked
+from ppoforge.errors import UserError
 from ppoforge.lm.models.rows import RowPlan, attention_cost
 from ppoforge.lm.rl.build import RunInputs, build_inputs
 from ppoforge.lm.rl.collect import Batch, collector_for
@@ -136,7 +137,8 @@ class RLHFTrainer:
         """What an update changes besides the weights and the optimizer: the run state, the data cursor, the
         shared generator and the KL controller."""
         return {**runstate.step_state(self), "cursor": self.cursor, "generator": self.gen.get_state(),
-                "kl_ctl": self.kl_ctl.state_dict(), "collapse": self.collapse.state_dict()}
+                "kl_ctl": self.kl_ctl.state_dict(), "collapse": self.collapse.state_dict(),
+                "train_prompts": len(self.inputs.prompt_rows)}
 
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
@@ -144,6 +146,10 @@ class RLHFTrainer:
 
     def load(self, state: dict) -> None:
         """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
+        if state.get("train_prompts", len(self.inputs.prompt_rows)) != len(self.inputs.prompt_rows):
+            raise UserError(f"heldout_prompts: this held-out set leaves {len(self.inputs.prompt_rows)} training "
+                            f"prompts where the run trained on {state['train_prompts']} (heldout_disjoint); allowed "
+                            "on resume: the run's own held-out set")
         runstate.load_weights(state, self.layout.named_trainable(), self.optimizer)
         self.precision.load_state_dict(state["precision"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
@@ -271,6 +277,8 @@ class RLHFTrainer:
             if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
                 logger.log(self.update, metrics)
                 self._log_table(logger, "train", table)
+            if cfg.heldout_every and self.update % cfg.heldout_every == 0 and self.update < cfg.total_updates:
+                self._log_heldout(logger)  # the last update's evaluation comes after the loop
             progress.advance(1, score=metrics["objective/scores"], kl=metrics.get("objective/kl"))
 
         try:
@@ -296,7 +304,10 @@ class RLHFTrainer:
     def _log_heldout(self, logger: MetricsLogger) -> None:
         result = self.heldout()
         if result is not None:
-            logger.log(self.update, {"eval/scores": result[0]})
+            scores = torch.tensor([r["score"] for r in result[1]], dtype=torch.float64)  # cpu: host floats
+            half = 1.96 * float(scores.std()) / len(scores) ** 0.5 if len(scores) > 1 else 0.0  # the mean's 95 %
+            logger.log(self.update, {"eval/scores": result[0], "eval/scores_lo": result[0] - half,
+                                     "eval/scores_hi": result[0] + half})
             self._log_table(logger, "heldout", result[1])
 
     def _log_table(self, logger: MetricsLogger, split: str, table: list[dict]) -> None:
