@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ppoforge.doctor.report import CheckResult, fail, ok, skip, warn
+from ppoforge.doctor.report import CheckResult, fail, ok, warn
 from ppoforge.doctor.versions import parse_version, torch_index_url
 
 # Oldest driver for each CUDA major (CUDA minor-version compatibility), from NVIDIA's release notes.
@@ -146,8 +146,8 @@ def check_gpu_visibility(f: GpuFacts, device: str) -> CheckResult:
     fix = "; ".join(fx for _, fx in reasons)
     if device.startswith("cuda") or f.hardware:
         return fail(name, evidence, fix)
-    if device == "cpu":
-        return skip(name, evidence + " (--device cpu)")
+    if device == "cpu":  # not needed: the LM verdict on the CPU must not wait on a GPU it was told to skip
+        return ok(name, evidence + " (not needed: --device cpu)")
     return warn(name, evidence + "; ppoforge runs on CPU", f"nothing to fix for CPU work; for a GPU: {fix}")
 
 
