@@ -49,6 +49,31 @@ class Batch:
         return torch.cat([self.prompt_mask.float(), self.samples.attended], 1)
 
 
+def take_rows(parts: list[tuple[Batch, list[int]]], pad_id: int) -> Batch:
+    """Rows `idx` of each single-turn batch of `parts`, one batch in that order (dynamic sampling's refilled
+    rollout, `lm/rl/dynamic.py`): prompts left-padded to the widest part's, responses right-padded to the
+    longest (`concat_samples`)."""
+    width = max(b.prompt_mask.shape[1] for b, _ in parts)
+
+    def left(x: torch.Tensor, fill) -> torch.Tensor:  # (n, P) -> (n, width)
+        return torch.cat([x.new_full((x.shape[0], width - x.shape[1]), fill), x], 1)
+
+    prompts, masks, samples = [], [], []
+    for b, idx in parts:
+        s, n_prompt = b.samples, b.prompt_mask.shape[1]
+        prompts.append(left(b.ids[idx, :n_prompt], pad_id))
+        masks.append(left(b.prompt_mask[idx], 0))
+        samples.append(Samples(s.response_ids[idx], s.response_mask[idx], s.logp[idx], s.finished[idx],
+                               None if s.hidden is None else s.hidden[idx]))
+    joined = concat_samples(samples, pad_id)
+
+    def rows_of(name: str) -> list:
+        return [getattr(b, name)[i] for b, idx in parts for i in idx]
+
+    return Batch(rows_of("rows"), torch.cat([torch.cat(prompts), joined.response_ids], 1), torch.cat(masks),
+                 joined, rows_of("texts"), rows_of("prompts"))
+
+
 class Collector(Protocol):
     gen_batch: int  # rows sampled at a time: the generation batch, halved on out-of-memory
 

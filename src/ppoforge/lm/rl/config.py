@@ -133,6 +133,19 @@ class RLHFConfig(FaultConfig):
                              "length-normalized ratio clipped, GSPO's); cispo (REINFORCE with each token's ratio "
                              "capped at 1 + clip_high and detached as its weight, CISPO's); docs/rlhf.md",
                              choices=tuple(POLICY_LOSSES))
+    # ---- DAPO's dynamic sampling and overlong shaping (core/dapo.py, lm/rl/dynamic.py, docs/rlhf.md)
+    dynamic_sampling: bool = param(False, "drop each group whose num_generations scores all agree (advantage 0) "
+                                   "and refill the batch with fresh prompts (DAPO); group estimators only")
+    dynamic_sampling_tries: int = param(3, "dynamic_sampling: extra batches of prompts drawn per update at most; "
+                                        "still short, the batch is topped up with dropped groups "
+                                        "(dynamic/filled_groups)", lo=1, hi=1000)
+    overlong_buffer: int = param(0, "DAPO's soft overlong penalty: over the last this many tokens of "
+                                 "max_new_tokens the score falls linearly by up to overlong_penalty (0: off)",
+                                 lo=0, hi=1_000_000)
+    overlong_penalty: float = param(1.0, "the overlong penalty at max_new_tokens (verl's penalty_factor)",
+                                    lo=0.0, hi=1e4)
+    mask_truncated: bool = param(False, "no loss on completions that end without a stop token (DAPO's overlong "
+                                 "filtering, TRL's mask_truncated_completions); they still count in their group")
     # ---- multi-turn episodes with an environment (lm/envs/protocol.py, lm/envs/episodes.py, docs/environments.md)
     env: str | None = param(None, "environment the policy talks with over several turns, one episode per "
                             "prompt row: py:module:Class, textarena:GAME, trl:module:Class or a built-in name "
@@ -264,6 +277,7 @@ class RLHFConfig(FaultConfig):
                             f"with layout {self.layout}")
         self._check_fsdp()
         self._check_estimator()
+        self._check_dapo()
 
     def _check_fsdp(self) -> None:
         """FSDP2 shards the full layout's models and decodes with the lean decoder on gathered weights."""
@@ -279,6 +293,19 @@ class RLHFConfig(FaultConfig):
             raise UserError("decoder: hf with fsdp would run a collective per decoded token, and rows that end at "
                             "different steps on different ranks would hang it; allowed: auto or lean (fsdp "
                             "gathers the policy whole for the lean decoder)")
+
+    def _check_dapo(self) -> None:
+        """Dynamic sampling needs a group baseline and single-turn batches; the overlong ramp fits the budget."""
+        if self.dynamic_sampling and not self.estimator.groups:
+            grouped = ", ".join(e.name for e in ESTIMATORS.values() if e.groups)
+            raise UserError(f"dynamic_sampling: drops groups whose scores agree, which advantage {self.advantage} "
+                            f"still learns from; allowed: false, or advantage {grouped}")
+        for name, off in (("dynamic_sampling", False), ("overlong_buffer", 0)):
+            if self.env and getattr(self, name) != off:
+                raise UserError(f"{name}: applies to single-turn responses; allowed with env: {str(off).lower()}")
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise UserError(f"overlong_buffer: {self.overlong_buffer} is not below max_new_tokens "
+                            f"{self.max_new_tokens}; allowed: 0 (off) to {self.max_new_tokens - 1}")
 
     def _check_env(self) -> None:
         if not self.env:

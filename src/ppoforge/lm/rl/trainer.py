@@ -17,7 +17,9 @@ GAE, or a critic-free one â€” grpo, rloo, reinforce_pp, reinforce_pp_baseline â€
 `num_generations` times in a row, computes the advantages from the whole rollout's groups before the
 mini-batch shuffle and has no value head and no value loss), the rollout's passes (`lm/rl/passes.py`) and
 the PPO update (`lm/rl/update.py`: the KL in the loss with `kl_in: loss`, GRPO's; `loss_agg`; DAPO's
-`clip_high`). `kl_coef: 0` skips the reference pass. Held-out evaluation: `lm/rl/heldout.py`.
+`clip_high`) and the rollout's rounds (`lm/rl/dynamic.py`: one, or DAPO's dynamic sampling, which refills
+the batch's groups whose scores all agree); DAPO's overlong shaping and filtering are `core/dapo.py`'s.
+`kl_coef: 0` skips the reference pass. Held-out evaluation: `lm/rl/heldout.py`.
 Under torchrun (`runtime/distributed.py`) each rank samples and scores its contiguous slice of the
 global batch's prompts (whole groups) with its slice of the globally drawn uniforms, takes each
 mini-batch's rows it owns from one global permutation, and all-reduces the gradients once per optimizer
@@ -26,20 +28,21 @@ FSDP2, `FullLayout.shard`) the rollout is all-gathered after the advantages and 
 slice of each mini-batch (FSDP's forward and backward are collectives), FSDP reduces the gradients, the
 decoder reads the policy gathered whole, and checkpoints are sharded (`checkpoint/`, any world size).
 Left out: reward-model training, value-head warm-up, per-token entropy
-regularization beyond `ent_coef`, DAPO's dynamic sampling and overlong shaping.
+regularization beyond `ent_coef`, dynamic sampling under torchrun.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ppoforge.config import config_to_dict
+from ppoforge.core.dapo import finished_mask, overlong_penalty
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController
 from ppoforge.core.stats import masked
 from ppoforge.errors import UserError
@@ -47,6 +50,7 @@ from ppoforge.lm.models.rows import RowPlan, attention_cost
 from ppoforge.lm.rl.build import RunInputs, build_inputs
 from ppoforge.lm.rl.collect import Batch, collector_for
 from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.rl.dynamic import Drawn, rounds_for
 from ppoforge.lm.rl.heldout import Heldout
 from ppoforge.lm.rl.passes import RolloutPasses
 from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
@@ -110,6 +114,7 @@ class RLHFTrainer:
                                     critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy,
                                     rows_for=plan.rows)
         self.collector = collector_for(cfg, self.inputs)  # single-turn sampling, or episodes with an env
+        self.rounds = rounds_for(cfg, self.tokenizer.pad_token_id, self.world.size)  # one, or dynamic sampling
         self.heldout = Heldout(cfg, self.inputs, self.collector)
         self.gen = torch.Generator(self.inputs.device).manual_seed(cfg.seed)
         self.update = 0   # completed updates
@@ -181,16 +186,13 @@ class RLHFTrainer:
         lr = cfg.learning_rate * self.lr_scale * ((1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # 1. collect: prompts -> responses (eval mode, no grad, KV cache), or with an env episodes played;
-        #    each prompt num_generations times in a row. Under torchrun each rank takes its slice of the
-        #    global batch's prompts, seeds and uniforms: every draw is the global one
-        batch = self.collect(self.next_prompts())
-        gen_s = time.perf_counter() - start
-        # 2. score: the reward on the decoded text (an env: its scores); old log-probs, values and reference
-        #    log-probs in passes. Under torchrun: a rank whose reward raised stops every rank (`checked`); the
-        #    guard sees all scores
-        scores = distributed.all_gather(distributed.checked(self.collector.scores, batch))
-        finite, all_scores = self.guard.rewards_ok(scores, cfg.reward_clip)
+        # 1-2. collect and score (`draw`); with dynamic_sampling, groups whose scores all agree are dropped
+        #    and fresh prompts drawn in their place (lm/rl/dynamic.py). DAPO's overlong penalty, after the
+        #    guard's clip (0 with overlong_buffer 0); old log-probs, values and reference log-probs in passes
+        (batch, all_scores, finite, gen_s), dynamic = self.rounds(self.draw)
+        overlong = overlong_penalty(batch.samples.attended.sum(1), cfg.episode_tokens, cfg.overlong_buffer,
+                                    cfg.overlong_penalty)
+        all_scores = all_scores + distributed.all_gather(overlong)
         scores = all_scores[self.my_rows] if self.world.size > 1 else all_scores
         b = self.logprobs_and_values(batch, scores).detached()
         # 3. advantages over the whole rollout, before PPO shuffles it: per-token rewards (-beta * KL with
@@ -199,8 +201,10 @@ class RLHFTrainer:
         kl = rollout_kl(b, cfg.kl_estimator)
         non_score = non_score_rewards(kl, b.resp_mask, beta if cfg.kl_in == "reward" else 0.0)
         b.adv, b.ret = cfg.estimator.estimate(b, non_score, cfg)
-        # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update)
-        trained = gather_rollout(b, self.tokenizer.pad_token_id) if self.sharded else b
+        # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update);
+        #    with mask_truncated no loss on truncated responses, whose scores still made their group's baseline
+        trained = replace(b, resp_mask=finished_mask(b.resp_mask, batch.samples.finished, cfg.mask_truncated))
+        trained = gather_rollout(trained, self.tokenizer.pad_token_id) if self.sharded else trained
         skipped = torch.tensor(float("nan"), device=b.resp.device)
         stats = self.ppo_update(trained) if finite else dict.fromkeys(sum(cfg.stat_keys, ()), skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
@@ -209,11 +213,12 @@ class RLHFTrainer:
         self.update += 1
         objective = rollout_metrics(b, batch.samples.finished, kl, non_score, cfg.num_generations)
         objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in self.collector.metrics(batch).items()}
-        objective |= {"objective/score_min": all_scores.min(), "objective/score_max": all_scores.max()}  # global
+        objective |= {"objective/score_min": all_scores.min(), "objective/score_max": all_scores.max(),  # global
+                      "objective/overlong_penalty": overlong.mean()}
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
-        metrics.update({**self.guard.counts, "guard/micro_batch_size": self.ppo.micro_batch,
+        metrics.update({**self.guard.counts, **dynamic, "guard/micro_batch_size": self.ppo.micro_batch,
                         "perf/shared_prefix_unit": self.ppo.unit,
                         "guard/generation_batch_size": self.collector.gen_batch,
                         "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
@@ -229,6 +234,19 @@ class RLHFTrainer:
                             metrics["objective/score_min"], metrics["objective/score_max"])
         metrics["guard/collapse_streak"] = self.collapse.streak
         return metrics, table
+
+    def draw(self) -> Drawn:
+        """The next batch_size prompts collected and scored. Collect: prompts -> responses (eval mode, no
+        grad, KV cache), or with an env episodes played; each prompt num_generations times in a row. Score:
+        the reward on the decoded text (an env: its scores). Under torchrun each rank takes its slice of the
+        global batch's prompts, seeds and uniforms (every draw is the global one), a rank whose reward raised
+        stops every rank (`checked`), and the guard sees all scores."""
+        start = time.perf_counter()
+        batch = self.collect(self.next_prompts())
+        gen_s = time.perf_counter() - start
+        scores = distributed.all_gather(distributed.checked(self.collector.scores, batch))
+        finite, all_scores = self.guard.rewards_ok(scores, self.cfg.reward_clip)
+        return Drawn(batch, all_scores, finite, gen_s)
 
     def collect(self, prompts: list[int]) -> Batch:
         """This rank's part of the rollout of the global batch's `prompts` (row indices), each prompt
