@@ -23,6 +23,7 @@ policy's (as TRL's PPO requires of its reward model).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,7 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import flops  # noqa: E402
 import rlhf_workloads  # noqa: E402
 
 
@@ -38,10 +41,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload-dir", required=True, help="directory written by rlhf_workloads.build()")
     p.add_argument("--layout", choices=["full", "lora"], default="lora", help="ppoforge model layout")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="ppoforge precision")
+    p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
+                   help="ppoforge precision (auto: bf16 where the device computes it natively, else fp32)")
     p.add_argument("--updates", type=int, default=5, help="timed PPO updates (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1, help="untimed PPO updates run first")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu", help="ppoforge's device: cpu (the CPU figures), cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="trainer seed")
     p.add_argument("--grpo", action="store_true",
                    help="GRPO as trl_grpo_worker.py runs it: --prompts x --generations completions, beta 0.04 "
@@ -55,28 +60,29 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace):
+def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace, prompts: Path):
     from ppoforge.config import build_config
     from ppoforge.lm.rl.config import RLHFConfig
 
     return build_config(RLHFConfig, {
         "model": str(wdir / "policy"), "tokenizer": str(wdir / "tokenizer"), "layout": args.layout,
         "critic_model": str(wdir / "reward") if args.layout == "full" else None,
-        "prompts": str(wdir / "prompts.jsonl"), "heldout_prompts": None, "use_chat_template": False,
-        "reward": f"model:{wdir / 'reward'}",
+        "prompts": str(prompts), "heldout_prompts": None, "use_chat_template": False,
+        # a `task` workload: the TRL side's own Python reward (reasoning_workload.py) over the rows' `entry`
+        "reward": f"py:{HERE / 'reasoning_workload.py'}:reasoning_reward" if w.task else f"model:{wdir / 'reward'}",
         "max_prompt_tokens": w.prompt_len, "max_new_tokens": w.new_tokens,
         "batch_size": w.n_prompts, "mini_batch_size": w.n_prompts, "micro_batch_size": w.micro_batch,
         "ppo_epochs": 1, "total_updates": args.warmup + args.updates, "seed": args.seed,
-        "precision": args.precision, "device": "cpu", "torch_threads": args.threads,
+        "precision": args.precision, "device": args.device, "torch_threads": args.threads,
         "tensorboard": False, "progress": False, "shared_prefix": args.shared_prefix,
-        **(grpo_fields(args) if args.grpo else {}),
+        **(grpo_fields(args, w) if args.grpo else {}),
     })
 
 
-def grpo_fields(args: argparse.Namespace) -> dict:
+def grpo_fields(args: argparse.Namespace, w: rlhf_workloads.Workload) -> dict:
     completions = args.prompts * args.generations
     return {"advantage": "grpo", "num_generations": args.generations, "scale_rewards": "group",
-            "loss_agg": "token_mean", "kl_in": "loss", "kl_estimator": "k3", "kl_coef": 0.04, "temperature": 1.0,
+            "loss_agg": "token_mean", "kl_in": "loss", "kl_estimator": "k3", "kl_coef": w.beta, "temperature": 1.0,
             "batch_size": args.prompts, "mini_batch_size": completions, "micro_batch_size": args.micro,
             "max_new_tokens": args.new_tokens, "critic_model": None}
 
@@ -89,6 +95,7 @@ def main() -> None:
     import ppoforge
     from ppoforge.lm.rl.trainer import RLHFTrainer
     from ppoforge.runtime.allocator import keep_freed_memory
+    from ppoforge.runtime.precision import resolve_precision
 
     keep_freed_memory()  # as the `ppoforge` command does at its entry
     torch.set_num_threads(args.threads)
@@ -96,27 +103,50 @@ def main() -> None:
     w = rlhf_workloads.load_workload(wdir)
     t_setup = time.perf_counter()
     run_dir = tempfile.TemporaryDirectory(prefix="bench-ppoforge-")  # removed when the process exits
-    trainer = RLHFTrainer(rlhf_config(w, wdir, args), Path(run_dir.name))
+    prompts = wdir / "prompts.jsonl"
+    if w.task:  # as on the TRL side, every step's prompts are the file's first --prompts rows
+        prompts = Path(run_dir.name) / "prompts.jsonl"
+        prompts.write_text("".join((wdir / "prompts.jsonl").read_text().splitlines(keepends=True)[:args.prompts]))
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    trainer = RLHFTrainer(rlhf_config(w, wdir, args, prompts), Path(run_dir.name))
     setup_s = time.perf_counter() - t_setup
     # Both frameworks must see the same prompt token ids (this also proves the right tokenizer loaded).
-    same = sorted(map(list, trainer.inputs.prompt_ids)) == sorted(rlhf_workloads.load_prompts(wdir))
+    same = sorted(map(list, trainer.inputs.prompt_ids)) == sorted(r["input_ids"] for r in rows)
     assert same, "ppoforge tokenized the workload prompts differently from the TRL side"
+    prompt_len = {r["prompt"]: len(r["input_ids"]) for r in rows}
 
-    gaps, cpu = [], []  # wall and process-CPU seconds per update
+    # per update: wall and process-CPU s, mean completion length, prompt lengths, shared-prefix unit size
+    gaps, cpu, lengths, step_prompts, units = [], [], [], [], []
     for _ in range(args.warmup + args.updates):
         start, cpu_start = time.perf_counter(), time.process_time()
-        metrics, _table = trainer.train_one_update()
+        metrics, table = trainer.train_one_update()
         gaps.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
+        lengths.append(metrics["objective/response_length"])  # the mean over the rollout, EOS included
+        step_prompts.append([prompt_len[t["prompt"]] for t in table[::args.generations if args.grpo else 1]])
+        units.append(metrics["perf/shared_prefix_unit"])
     timed = gaps[args.warmup:]
     median = statistics.median(timed)
+    n = args.prompts * args.generations if args.grpo else w.n_prompts
+    mean_len = statistics.mean(lengths[args.warmup:])
+    timed_prompts = [sum(ps) / len(ps) for ps in zip(*step_prompts[args.warmup:], strict=True)]
+    # LoRA: the frozen base's backward is activation gradients only (~1 x the forward); full: 2 x (flops.py).
+    # Executed: shared_prefix auto prefills each prompt once and trains rows of `unit` completions per prompt copy
+    g, unit = (args.generations if args.grpo else 1), statistics.mean(units[args.warmup:])
+    est = flops.grpo_step_flops(flops.matmul_params(**dataclasses.asdict(w)), timed_prompts, mean_len * n, g,
+                                backward=2 if args.layout == "lora" else 4, reference=w.beta > 0 if args.grpo else True,
+                                gen_prompt_copies=1 if args.shared_prefix == "auto" else g,
+                                train_prompt_copies=g / unit)
     result = {
         "framework": "ppoforge", "layout": args.layout, "precision": args.precision, "workload": w.name,
         "threads": torch.get_num_threads(), "warmup": args.warmup, "updates": args.updates,
         "warmup_s": gaps[: args.warmup], "update_s": timed, "median_s": median,
         "cpu_s": cpu[args.warmup:], "median_cpu_s": statistics.median(cpu[args.warmup:]),
-        "samples_per_s": (args.prompts * args.generations if args.grpo else w.n_prompts) / median,
-        "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
+        "samples_per_s": n / median, "completions_per_s": n / median, "mean_completion_len": mean_len,
+        "step_lengths": lengths, "prompt_tokens": timed_prompts, "flops_per_step": est, "shared_prefix_units": units,
+        "resolved_precision": resolve_precision(args.precision, torch.device(args.device)),
+        "peak_rss_gib": rlhf_workloads.peak_rss_gib(), "device": args.device,
+        "peak_cuda_gib": rlhf_workloads.peak_cuda_gib(),
         "setup_s": setup_s, "last_metrics": {k: metrics.get(k) for k in ("objective/kl", "objective/scores",
                                                                       "objective/response_length",
                                                                       "perf/shared_prefix_unit")},

@@ -16,11 +16,30 @@ torch==2.13.0, the CPU wheel; a bare `torch` would pull a multi-GB CUDA build), 
 last release with PPO) and transformers==5.17.* (the version BENCHMARKS.md names; TRL 1.12 accepts it).
 
     python benchmarks/rlhf_vs_trl.py --workloads tiny,smollm2 --updates 5
+
+GRPO against two TRLs and the `reasoning` workload (the real SmolLM2-135M-Instruct on reasoning-gym problems,
+reasoning_workload.py): `--trl-venvs trl,trl-current` times TRL 1.12 (.bench-venvs/trl) and the newest TRL
+(.bench-venvs/trl-current: torch==2.13.0 CPU, then trl==1.16.*, which brings its own transformers), both made
+on first use; `--trl-precisions fp32,bf16` each with bf16=False and bf16=True (GRPOConfig's default: CPU
+autocast). A GRPO invocation also measures the GEMM rate (flops.py) and prints a second table: completions/s,
+mean completion length, estimated GFLOP/s and its fraction of that rate (grpo_scaling.py). The cost sweep
+(`--sweep-generations 2,4,8,16 --sweep-new-tokens 32,128,512`) replaces the comparison with s/step as G and as
+the completion budget grow (grpo_scaling.py: a table, a JSON and a PNG in --out):
+
+    python benchmarks/rlhf_vs_trl.py --grpo --workloads reasoning --trl-venvs trl,trl-current \
+        --trl-precisions fp32,bf16 --layouts lora --precisions fp32,auto --grpo-prompts 2 --updates 3
+    python benchmarks/rlhf_vs_trl.py --grpo --workloads reasoning --trl-venvs trl-current --trl-precisions bf16 \
+        --layouts lora --precisions auto --shared-prefix auto,off --grpo-prompts 1 --updates 2 \
+        --sweep-generations 2,4,8,16 --sweep-new-tokens 32,128,512
+
+On a GPU: `--device cuda` runs every worker there (TRL's then needs a TRL venv whose torch has CUDA);
+`--skip-trl` times ppoforge alone and needs no TRL venv (benchmarks/gpu_check.sh uses both).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import resource
@@ -33,13 +52,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import grpo_scaling  # noqa: E402
+import rlhf_workloads  # noqa: E402
+
 TRL_REQS = ["trl==1.12.*", "transformers==5.17.*"]
+# --trl-venvs names: folder under .bench-venvs -> (pip requirements after torch, the TRL version it must have);
+# trl-current = the newest TRL that installs beside torch 2.13 (1.16.0), with the transformers it picks
+TRL_VENVS = {"trl": (TRL_REQS, "1.12."), "trl-current": (["trl==1.16.*"], "1.16.")}
 BUSY = 0.3  # cores of other load above which a run is flagged as unreliable
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="tiny", help="comma list of workloads: tiny, small, smollm2, arith")
+    p.add_argument("--workloads", default="tiny",
+                   help="comma list of workloads: tiny, small, smollm2, arith, qwen05b (a GPU one)")
     p.add_argument("--updates", type=int, default=5, help="timed PPO updates per run (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed PPO updates first, per run")
     p.add_argument("--rounds", type=int, default=1,
@@ -50,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl-precisions", default="fp32",
                    help="TRL precisions (fp32 = its effective default; bf16 = accelerate autocast)")
     p.add_argument("--skip-ppoforge", action="store_true", help="time TRL only")
+    p.add_argument("--skip-trl", action="store_true",
+                   help="time ppoforge only (no TRL venv needed: the workload is built with this interpreter)")
+    p.add_argument("--device", default="cpu", help="every worker's device: cpu (the default), cuda or cuda:N")
     p.add_argument("--grpo", action="store_true",
                    help="GRPO instead of PPO: TRL's GRPOTrainer (trl_grpo_worker.py) vs ppoforge's advantage grpo, "
                         "--grpo-prompts x --grpo-generations completions of --grpo-new-tokens, micro --grpo-micro")
@@ -60,6 +90,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shared-prefix", default="auto",
                    help="ppoforge shared_prefix settings to time (comma list: auto,off side by side)")
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl"), help="venv holding TRL 1.12")
+    p.add_argument("--trl-venvs", default="trl",
+                   help="TRL venvs to time, comma list: trl (TRL 1.12, at --trl-venv), trl-current (the newest TRL, "
+                        ".bench-venvs/trl-current), or paths of venvs that have TRL (used as they are)")
+    p.add_argument("--no-eos", action="store_true",
+                   help="reasoning: EOS does not stop completions (each runs to --grpo-new-tokens)")
+    p.add_argument("--gemm-seconds", type=float, default=2.0, help="--grpo: seconds per dtype of the GEMM rate")
+    p.add_argument("--sweep-generations", default="", help="--grpo: the cost sweep's G values (comma list)")
+    p.add_argument("--sweep-new-tokens", default="", help="--grpo: the cost sweep's completion budgets (comma list)")
+    p.add_argument("--sweep-eos", action="store_true",
+                   help="sweep with EOS on (default: suppressed, so every completion runs to the budget)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds allowed per measurement")
     p.add_argument("--quiet-wait", type=float, default=60.0,
                    help="before each run, wait up to this many seconds for other jobs to leave the CPUs")
@@ -67,20 +107,79 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def ensure_trl_venv(venv: Path) -> Path:
-    """Create the TRL venv if it lacks TRL 1.12; returns its python."""
+def ensure_trl_venv(venv: Path, reqs: list[str] = TRL_REQS, version: str = "1.12.") -> Path:
+    """Create the TRL venv if it lacks TRL `version`; returns its python."""
     py = venv / "bin" / "python"
-    check = [str(py), "-c", "import trl, sys; sys.exit(not trl.__version__.startswith('1.12.'))"]
+    check = [str(py), "-c", f"import trl, sys; sys.exit(not trl.__version__.startswith({version!r}))"]
     if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return py
-    print(f"[setup] creating {venv} (TRL 1.12, one-time, a few minutes)", flush=True)
+    print(f"[setup] creating {venv} (TRL {version}*, one-time, a few minutes)", flush=True)
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "-q"]
     subprocess.run(pip + [os.environ.get("TORCH_SPEC", "torch==2.13.0")], check=True)
-    subprocess.run(pip + TRL_REQS, check=True)
+    subprocess.run(pip + reqs, check=True)
     subprocess.run(check, check=True)
     return py
+
+
+def trl_venvs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(name, python) of each --trl-venvs entry, made or completed as needed: GRPOTrainer imports requests;
+    a task workload's reward needs reasoning-gym (the version of this interpreter's)."""
+    out = []
+    for name in args.trl_venvs.split(","):
+        if name in TRL_VENVS:
+            venv = Path(args.trl_venv) if name == "trl" else ROOT / ".bench-venvs" / name
+            py = ensure_trl_venv(venv, *TRL_VENVS[name])
+        else:
+            py = Path(name) / "bin" / "python"
+        extra = ["requests"] if args.grpo else []
+        if any(rlhf_workloads.WORKLOADS[w].task for w in args.workloads.split(",")):
+            extra.append(f"reasoning-gym=={importlib.metadata.version('reasoning_gym')}")
+        for req in extra:
+            module = req.partition("=")[0].replace("-", "_")
+            if subprocess.run([str(py), "-c", f"import {module}"], capture_output=True).returncode:
+                subprocess.run([str(py), "-m", "pip", "install", "-q", req], check=True)
+        out.append((Path(name).name, py))
+    return out
+
+
+def grpo_configs(wdir: str, args: argparse.Namespace, trls: list[tuple[str, Path]], generations: int,
+                 new_tokens: int) -> list[tuple[str, str, str, list[str]]]:
+    """(framework, layout, precision, command) of every GRPO run at G = generations: each TRL venv at each
+    --trl-precisions, then ppoforge's layouts x precisions x shared_prefix settings."""
+    completions = args.grpo_prompts * generations
+    micro = min(args.grpo_micro, completions)
+    if completions % micro:
+        raise SystemExit(f"--grpo-micro {micro} does not divide {completions} completions per step")
+    shape = ["--prompts", str(args.grpo_prompts), "--generations", str(generations), "--new-tokens",
+             str(new_tokens), "--micro", str(micro)]
+    timing = ["--workload-dir", wdir, "--warmup", str(args.warmup), "--threads", str(args.threads),
+              "--device", args.device]
+    configs = [("trl", name, p, [str(py), str(HERE / "trl_grpo_worker.py"), *timing, "--steps", str(args.updates),
+                                 "--precision", p, *shape])
+               for name, py in trls for p in args.trl_precisions.split(",")]
+    if not args.skip_ppoforge:
+        configs += [("ppoforge", lay if sp == "auto" else f"{lay}, shared_prefix {sp}", p,
+                     [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"), *timing, "--updates", str(args.updates),
+                      "--grpo", *shape, "--layout", lay, "--precision", p, "--shared-prefix", sp])
+                    for lay in args.layouts.split(",") for p in args.precisions.split(",")
+                    for sp in args.shared_prefix.split(",")]
+    return configs
+
+
+def build_workload(name: str, wdir: str, python: Path, eos: bool = True) -> None:
+    """rlhf_workloads.py NAME WDIR with `python` (a task workload: this interpreter, which has ppoforge)."""
+    python = sys.executable if rlhf_workloads.WORKLOADS[name].task else python
+    cmd = [str(python), str(HERE / "rlhf_workloads.py"), name, wdir] + ([] if eos else ["--no-eos"])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"building workload {name} failed:\n{proc.stderr[-3000:]}")
+
+
+def worker_env(args: argparse.Namespace) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+            "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def busy_seconds() -> tuple[float, float]:
@@ -117,8 +216,7 @@ def run_worker(cmd: list[str], args: argparse.Namespace) -> dict:
     share of the CPU suggests, so a run with other load is flagged in the table.
     """
     waited = wait_for_quiet(args.quiet_wait)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = worker_env(args)
     (b0, t0), c0 = busy_seconds(), children_cpu()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT)
@@ -146,27 +244,25 @@ def combine(meta: dict, runs: list[dict]) -> dict:
             "median_cpu_s": statistics.median(r["median_cpu_s"] for r in used),
             "other_load_cores": max(r["other_load_cores"] for r in used), "rounds_used": len(used),
             "peak_rss_gib": max(r["peak_rss_gib"] for r in good), "versions": good[0].get("versions"),
+            "peak_cuda_gib": max((r.get("peak_cuda_gib") or 0.0 for r in good), default=0.0) or None,
             "failed_rounds": len(runs) - len(good), "rounds": runs}
 
 
-def measure_workload(name: str, args: argparse.Namespace, trl_py: Path) -> list[dict]:
-    """Every configuration once per round, in a fresh process each; odd rounds run in reverse order."""
+def measure_workload(name: str, args: argparse.Namespace, trl_py: Path | None,
+                     trls: list[tuple[str, Path]] = ()) -> list[dict]:
+    """Every configuration once per round, in a fresh process each; odd rounds run in reverse order.
+    `trl_py` None (--skip-trl): ppoforge's configurations alone. GRPO times every venv of `trls`."""
     with tempfile.TemporaryDirectory(prefix=f"bench-rlhf-{name}-") as wdir:
-        subprocess.run([str(trl_py), str(HERE / "rlhf_workloads.py"), name, wdir], check=True,
-                       capture_output=True)
+        build_workload(name, wdir, trl_py or sys.executable, eos=not args.no_eos)
         common = ["--workload-dir", wdir, "--updates", str(args.updates), "--warmup", str(args.warmup),
-                  "--threads", str(args.threads)]
+                  "--threads", str(args.threads), "--device", args.device]
+        trl_precisions = args.trl_precisions.split(",") if trl_py else []
         if args.grpo:
-            shape = ["--prompts", str(args.grpo_prompts), "--generations", str(args.grpo_generations),
-                     "--new-tokens", str(args.grpo_new_tokens), "--micro", str(args.grpo_micro)]
-            configs = [("trl", "trl-grpo", "fp32", [str(trl_py), str(HERE / "trl_grpo_worker.py"), "--workload-dir",
-                                                    wdir, "--steps", str(args.updates), "--warmup", str(args.warmup),
-                                                    "--threads", str(args.threads), *shape])]
-            common += ["--grpo", *shape]
+            configs = grpo_configs(wdir, args, list(trls), args.grpo_generations, args.grpo_new_tokens)
         else:
             configs = [("trl", "trl-4-model", p, [str(trl_py), str(HERE / "trl_ppo_worker.py"), *common,
-                                                    "--precision", p]) for p in args.trl_precisions.split(",")]
-        if not args.skip_ppoforge:
+                                                    "--precision", p]) for p in trl_precisions]
+        if not args.skip_ppoforge and not args.grpo:
             configs += [("ppoforge", lay if sp == "auto" else f"{lay}, shared_prefix {sp}", p,
                          [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"), *common, "--layout", lay,
                           "--precision", p, "--shared-prefix", sp])
@@ -187,7 +283,7 @@ def measure_workload(name: str, args: argparse.Namespace, trl_py: Path) -> list[
 def table(results: list[dict]) -> str:
     """Markdown table; ratios against the first good TRL run: speed = TRL s / run s, memory = run / TRL."""
     ref = next((r for r in results if r["framework"] == "trl" and "error" not in r), None)
-    ratio = lambda num, den: f"{num / den:.2f}×" if ref else "n/a"
+    ratio = lambda num, den: f"{num / den:.2f}×"
     rows = ["| run | layout | precision | s/update | samples/s | speed vs TRL | CPU s/update "
             "| CPU speed vs TRL | peak RSS GiB | memory vs TRL | other load |", "|---" * 11 + "|"]
     for r in results:
@@ -195,10 +291,11 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             rows.append(f"{head} failed: {r['error'].splitlines()[-1][:80]} | | | | | | | |")
             continue
-        rows.append(f"{head} {r['median_s']:.3f} | {r['samples_per_s']:.2f} | "
-                    f"{ratio(ref['median_s'], r['median_s'])} | {r['median_cpu_s']:.2f} | "
-                    f"{ratio(ref['median_cpu_s'], r['median_cpu_s'])} | {r['peak_rss_gib']:.2f} | "
-                    f"{ratio(r['peak_rss_gib'], ref['peak_rss_gib'])} | {r['other_load_cores']:.2f}"
+        speed, cpu_speed, memory = ("n/a",) * 3 if ref is None else (  # --skip-trl: no TRL row
+            ratio(ref["median_s"], r["median_s"]), ratio(ref["median_cpu_s"], r["median_cpu_s"]),
+            ratio(r["peak_rss_gib"], ref["peak_rss_gib"]))
+        rows.append(f"{head} {r['median_s']:.3f} | {r['samples_per_s']:.2f} | {speed} | {r['median_cpu_s']:.2f} | "
+                    f"{cpu_speed} | {r['peak_rss_gib']:.2f} | {memory} | {r['other_load_cores']:.2f}"
                     f"{' ⚠' if r['other_load_cores'] > BUSY else ''} |")
     if any(r.get("other_load_cores", 0) > BUSY for r in results):
         rows.append(f"\n⚠ other jobs used more than {BUSY} cores during every round of this row: its time "
@@ -208,23 +305,68 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     args = parse_args()
-    trl_py = ensure_trl_venv(Path(args.trl_venv))
-    if args.grpo and subprocess.run([str(trl_py), "-c", "import requests"], capture_output=True).returncode:
-        subprocess.run([str(trl_py), "-m", "pip", "install", "-q", "requests"], check=True)  # GRPOTrainer imports it
+    trls = [] if args.skip_trl else trl_venvs(args)
+    trl_py = trls[0][1] if trls else None
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    gemm = None
+    if args.grpo:  # the machine's GEMM rate, measured in this invocation (flops.py)
+        wait_for_quiet(args.quiet_wait)
+        gemm = grpo_scaling.measure_gemm(args.threads, args.gemm_seconds, worker_env(args))
+        print(f"GEMM rate: {gemm}", flush=True)
+    if args.sweep_generations or args.sweep_new_tokens:
+        return sweep(args, trls, gemm, started)
     all_results = {}
     for name in args.workloads.split(","):
-        all_results[name] = measure_workload(name, args, trl_py)
+        all_results[name] = measure_workload(name, args, trl_py, trls)
         print(f"\n### {name}: median of {args.updates} updates after {args.warmup} warm-up, "
               f"{args.threads} threads, {args.rounds} round(s)\n\n{table(all_results[name])}\n", flush=True)
-    versions = next((r["versions"] for rs in all_results.values() for r in rs
-                     if r["framework"] == "trl" and "versions" in r), {})
-    print("TRL side:", ", ".join(f"{k} {v}" for k, v in versions.items()))
+        if args.grpo:
+            print(grpo_scaling.grpo_table(all_results[name], gemm) + "\n", flush=True)
+    sides = {json.dumps(r["versions"]) for rs in all_results.values() for r in rs
+             if r["framework"] == "trl" and r.get("versions")}
+    for versions in map(json.loads, sorted(sides)):
+        print("TRL side:", ", ".join(f"{k} {v}" for k, v in versions.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dump = out / f"{'grpo' if args.grpo else 'rlhf'}_vs_trl_{'_'.join(args.workloads.split(','))}.json"
-    dump.write_text(json.dumps({"started": started, "argv": sys.argv[1:], "results": all_results}, indent=1))
+    on = "" if args.device == "cpu" else "_" + args.device.replace(":", "")  # GPU runs keep the CPU files
+    dump = out / f"{'grpo' if args.grpo else 'rlhf'}_vs_trl_{'_'.join(args.workloads.split(','))}{on}.json"
+    dump.write_text(json.dumps({"started": started, "argv": sys.argv[1:], "gemm": gemm,
+                                "results": {k: [{**r, **grpo_scaling.rates(r, gemm)} if gemm else r for r in rs]
+                                            for k, rs in all_results.items()}}, indent=1))
     print(f"wrote {dump.relative_to(ROOT) if dump.is_relative_to(ROOT) else dump}")
+
+
+def sweep(args: argparse.Namespace, trls: list[tuple[str, Path]], gemm: dict | None, started: str) -> None:
+    """The cost sweep (grpo_scaling.py) on the first of --workloads: the first TRL venv at the first
+    --trl-precisions, ppoforge's first layout and precision with every --shared-prefix setting."""
+    if not args.grpo:
+        raise SystemExit("--sweep-generations / --sweep-new-tokens need --grpo")
+    name = args.workloads.split(",")[0]
+    ints = lambda text: [int(x) for x in text.split(",") if x]
+    points = grpo_scaling.sweep_points(ints(args.sweep_generations), ints(args.sweep_new_tokens),
+                                       args.grpo_generations, args.grpo_new_tokens)
+    picked = argparse.Namespace(**{**vars(args), "trl_precisions": args.trl_precisions.split(",")[0],
+                                   "layouts": args.layouts.split(",")[0], "precisions": args.precisions.split(",")[0]})
+    eos = args.sweep_eos or not rlhf_workloads.WORKLOADS[name].task
+    with tempfile.TemporaryDirectory(prefix=f"bench-sweep-{name}-") as wdir:
+        build_workload(name, wdir, trls[0][1] if trls else sys.executable, eos=eos)
+
+        def configs_for(g: int, t: int):
+            return [({"framework": f, "layout": lay, "precision": p, "workload": name}, cmd)
+                    for f, lay, p, cmd in grpo_configs(wdir, picked, trls[:1], g, t)]
+
+        def measure(meta: dict, cmd: list[str]) -> dict:
+            print(f"[sweep G={meta['generations']} budget={meta['new_tokens']}] {meta['framework']} {meta['layout']} "
+                  f"{meta['precision']} ...", end=" ", flush=True)
+            runs = [run_worker(cmd, args) for _ in range(args.rounds)]
+            print(runs[-1].get("error", "").splitlines()[-1:] or f"{runs[-1]['median_s']:.2f} s/step", flush=True)
+            row = combine(meta, runs)
+            return {**row, **grpo_scaling.rates(row, gemm or {})}
+
+        meta = {"started": started, "argv": sys.argv[1:], "workload": name, "prompts": args.grpo_prompts,
+                "updates": args.updates, "warmup": args.warmup, "threads": args.threads, "eos": eos, "gemm": gemm}
+        stem = grpo_scaling.run_sweep(points, configs_for, measure, meta, Path(args.out), name)
+    print(f"wrote {stem}.{{md,json,png}}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -43,6 +44,11 @@ class Workload:
     prompt_len: int
     new_tokens: int
     micro_batch: int  # training micro-batch; 1 mini-batch = all prompts, so accumulation = n / micro
+    # GRPO workloads of real text (reasoning_workload.py): the reasoning-gym task (None: random-id prompts and
+    # the random-init reward model), the KL coefficient, whether EOS stops a completion
+    task: str | None = None
+    beta: float = 0.04
+    eos: bool = True
 
 
 WORKLOADS = {
@@ -51,6 +57,13 @@ WORKLOADS = {
     "smollm2": Workload("smollm2", 576, 30, 9, 3, 1536, 49152, True, 8, 24, 32, 4),
     # the arithmetic preset's shape (`--grpo --grpo-new-tokens 10`): an 80-token prompt, short answers
     "arith": Workload("arith", 576, 30, 9, 3, 1536, 49152, True, 4, 80, 10, 8),
+    # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 / 2 heads, intermediate 4864, vocab 151936, tied): a GPU
+    # workload (benchmarks/gpu_check.sh); ~0.5 B parameters, far too slow for a 2-core CPU
+    "qwen05b": Workload("qwen05b", 896, 24, 14, 2, 4864, 151936, True, 16, 24, 32, 8),
+    # the real SmolLM2-135M-Instruct (ppoforge's cached checkpoint), reasoning-gym chain_sum problems behind a
+    # 121-token few-shot header, beta 0 (reasoning_workload.py; built with ppoforge's venv); prompt_len = the
+    # longest prompt, set at build time; n_prompts = the prompt file's rows (a run uses its first --prompts)
+    "reasoning": Workload("reasoning", 576, 30, 9, 3, 1536, 49152, True, 16, 0, 128, 8, task="chain_sum", beta=0.0),
 }
 
 
@@ -84,11 +97,16 @@ def random_prompts(w: Workload, seed: int) -> list[list[int]]:
     return torch.randint(3, w.vocab, (w.n_prompts, w.prompt_len), generator=gen).tolist()
 
 
-def build(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+def build(name: str, out_dir: str | Path, seed: int = 0, eos: bool = True) -> Path:
     """Write the workload's models, tokenizer and prompts under out_dir; returns out_dir."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     w, out = WORKLOADS[name], Path(out_dir)
+    if w.task:  # real model and text: built from ppoforge's cache (run this with ppoforge's venv)
+        import reasoning_workload
+
+        reasoning_workload.build(w, out, seed=seed + 1, eos=eos)
+        return out
     tok = word_level_tokenizer(w.vocab)
     torch.manual_seed(seed)
     policy = AutoModelForCausalLM.from_config(qwen2_config(w))
@@ -150,6 +168,21 @@ def load_workload(workload_dir: str | Path) -> Workload:
     return Workload(**json.loads((Path(workload_dir) / "workload.json").read_text()))
 
 
+def one_visible_gpu(device: str) -> None:
+    """TRL's workers: a CUDA `device` ("cuda" or "cuda:N") leaves only that GPU visible (HF's Trainer would
+    spread over every visible GPU with DataParallel; ppoforge's worker uses the one); "cpu" hides them all, so
+    TRL's Accelerator cannot pick a GPU either. Call before anything touches CUDA."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
+
+
+def peak_cuda_gib() -> float | None:
+    """Peak CUDA memory torch allocated in this process, in GiB (None when CUDA was never initialized)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_initialized() else None
+
+
 def peak_rss_gib() -> float:
     """Peak resident set of this process (VmHWM), in GiB."""
     with open("/proc/self/status") as f:
@@ -164,8 +197,10 @@ def main() -> None:
     p.add_argument("name", choices=sorted(WORKLOADS), help="workload name (shapes from BENCHMARKS.md)")
     p.add_argument("out_dir", help="directory to write policy/, reward/, prompts.jsonl into")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts")
+    p.add_argument("--no-eos", action="store_true", help="reasoning: EOS does not stop completions (the sweep's "
+                   "fixed lengths; reasoning_workload.py)")
     args = p.parse_args()
-    print(build(args.name, args.out_dir, args.seed))
+    print(build(args.name, args.out_dir, args.seed, eos=not args.no_eos))
 
 
 if __name__ == "__main__":

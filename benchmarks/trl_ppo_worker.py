@@ -49,12 +49,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="fp32 = TRL PPO's effective default; bf16 = accelerate's bf16 autocast")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (the CPU figures: GPUs hidden), cuda or cuda:N (only that GPU visible)")
     p.add_argument("--seed", type=int, default=0, help="trainer seed (sampling, shuffling)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    rlhf_workloads.one_visible_gpu(args.device)
     os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if args.precision == "bf16" else "no"
     import accelerate
     import torch
@@ -105,6 +108,8 @@ def main() -> None:
                          reward_model=reward_model, value_model=value_model, train_dataset=dataset,
                          eval_dataset=dataset, callbacks=[UpdateClock()])
     setup_s = time.perf_counter() - t_setup
+    if (trainer.accelerator.device.type == "cuda") != args.device.startswith("cuda"):
+        raise SystemExit(f"--device {args.device}, but TRL's accelerator chose {trainer.accelerator.device}")
     trainer.train()
 
     gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]
@@ -118,7 +123,7 @@ def main() -> None:
         "warmup_s": gaps[: args.warmup], "update_s": timed, "median_s": median,
         "cpu_s": cpu[args.warmup:], "median_cpu_s": statistics.median(cpu[args.warmup:]),
         "samples_per_s": w.n_prompts / median, "peak_rss_gib": rlhf_workloads.peak_rss_gib(),
-        "setup_s": setup_s,
+        "device": str(trainer.accelerator.device), "peak_cuda_gib": rlhf_workloads.peak_cuda_gib(), "setup_s": setup_s,
         "effective": {"mixed_precision": trainer.accelerator.mixed_precision,
                       "gradient_checkpointing": bool(trainer.policy_model.is_gradient_checkpointing),
                       "rollout_forward_batch": config.local_rollout_forward_batch_size,
