@@ -228,12 +228,15 @@ class RLHFTrainer:
                         "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows)})
         table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
                                          zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
-        # 6. a degenerating policy (finite numbers, no learning) is named and stopped, not trained on
+        self.check_collapse(metrics)  # 6. a degenerating policy is named and stopped, not trained on
+        return metrics, table
+
+    def check_collapse(self, metrics: dict) -> None:
+        """The collapse guard on this update's rollout: token entropy, share at the budget, scores."""
         self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
                             metrics["completions/clipped_ratio"], metrics["objective/scores"],
                             metrics["objective/score_min"], metrics["objective/score_max"])
         metrics["guard/collapse_streak"] = self.collapse.streak
-        return metrics, table
 
     def draw(self) -> Drawn:
         """The next batch_size prompts collected and scored. Collect: prompts -> responses (eval mode, no
