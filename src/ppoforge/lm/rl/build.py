@@ -41,6 +41,7 @@ class RunInputs:
     heldout_prompt_ids: list[list[int]]
     score: Callable | None           # (prompts, completions, finished, rows) -> (B,) float32 scores; None
     #                                  with an env (it scores its episodes, and renders their prompts)
+    left_out: int = 0                # training rows left out as held-out prompts (heldout_disjoint)
 
 
 def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
@@ -137,13 +138,14 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
     rows = load_prompts(cfg.prompts, cfg.prompt_field)
     heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
+    loaded = len(rows)
     if cfg.heldout_disjoint and heldout and not cfg.env:
         rows = without(rows, heldout, cfg.prompt_field)
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
                                max_tokens=cfg.max_prompt_tokens)
     if cfg.env:  # the environment's reset() gives each episode's first messages, and it scores the episode
         return RunInputs(device, precision, tokenizer, layout, stops, rows, [[] for _ in rows], heldout,
-                          [[] for _ in heldout], None)
+                          [[] for _ in heldout], None, loaded - len(rows))
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
                                  call_timeout=cfg.call_timeout, dtype=frozen_dtype, attn_implementation=attn)
@@ -151,4 +153,4 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
     return RunInputs(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
-                      encode(heldout) if heldout else [], functools.partial(score, reward_fn, name))
+                      encode(heldout) if heldout else [], functools.partial(score, reward_fn, name), loaded - len(rows))

@@ -143,7 +143,7 @@ class RLHFTrainer:
         shared generator and the KL controller."""
         return {**runstate.step_state(self), "cursor": self.cursor, "generator": self.gen.get_state(),
                 "kl_ctl": self.kl_ctl.state_dict(), "collapse": self.collapse.state_dict(),
-                "train_prompts": len(self.inputs.prompt_rows)}
+                "left_out": self.inputs.left_out}
 
     def resume(self) -> None:
         """Continue from the run dir's checkpoint, whatever world size wrote it."""
@@ -151,10 +151,10 @@ class RLHFTrainer:
 
     def load(self, state: dict) -> None:
         """Restore `state_dict()`'s state (with `fsdp` the weights are already loaded: `resume_from`)."""
-        if state.get("train_prompts", len(self.inputs.prompt_rows)) != len(self.inputs.prompt_rows):
-            raise UserError(f"heldout_prompts: this held-out set leaves {len(self.inputs.prompt_rows)} training "
-                            f"prompts where the run trained on {state['train_prompts']} (heldout_disjoint); allowed "
-                            "on resume: the run's own held-out set")
+        if state.get("left_out", self.inputs.left_out) != self.inputs.left_out:
+            raise UserError(f"heldout_prompts: this held-out set leaves {self.inputs.left_out} training prompts out "
+                            f"of training where the run left out {state['left_out']} (heldout_disjoint); allowed on "
+                            "resume: the run's own held-out set")
         runstate.load_weights(state, self.layout.named_trainable(), self.optimizer)
         self.precision.load_state_dict(state["precision"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
