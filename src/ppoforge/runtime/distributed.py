@@ -362,6 +362,9 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+_LEFT_GROUPS: list = []  # forced one-process groups left by `finish`, never destroyed (see there)
+
+
 def finish(code: int) -> None:
     """The end of a torchrun worker (cli.main): after a run that succeeded, wait for the other ranks
     (none leaves while another is still in a collective), then exit with `code` without running the
@@ -374,6 +377,9 @@ def finish(code: int) -> None:
     if not _active or not dist.is_initialized():
         return
     if _world.size == 1:
+        # torch 2.6's ~ProcessGroupGloo can deadlock joining its threads even in a one-process group (seen
+        # in CI): the group is deregistered but kept alive, idle, so its destructor never runs
+        _LEFT_GROUPS.append(dist.distributed_c10d._get_default_group())
         dist.destroy_process_group()
         _active = False
         return
