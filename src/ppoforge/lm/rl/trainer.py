@@ -105,14 +105,10 @@ class RLHFTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
                        else FixedKLController(cfg.kl_coef))
-        where = f"{self.inputs.device.type} / {self.precision.name} / {self.policy_attention()} attention"
-        # `cfg.on_policy` (one optimizer step per rollout): the update's own forward gives the old log-probs
         # the rows every forward over a rollout runs: a prompt's completions as shared-prefix units, or padded
         plan = RowPlan(cfg.prefix_sizes(self.world.size if self.sharded else 1),
                        attention_cost(self.layout.policy_model.config))
-        self.passes = RolloutPasses(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
-                                    critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy,
-                                    rows_for=plan.rows)
+        self.passes = self._passes(plan)
         self.collector = collector_for(cfg, self.inputs)  # single-turn sampling, or episodes with an env
         self.rounds = rounds_for(cfg, self.tokenizer.pad_token_id, self.world.size)  # one, or dynamic sampling
         self.heldout = Heldout(cfg, self.inputs, self.collector)
@@ -131,6 +127,15 @@ class RLHFTrainer:
                                   if cfg.fsdp else None)
         self.ppo = PPOUpdate(cfg, self.layout, self.precision, self.params, self.guard, self.gen, self.my_rows,
                              on_step=self._mark_optimizing, plan=plan)
+
+    def _passes(self, plan: RowPlan) -> RolloutPasses:
+        """The rollout's no-grad passes; with `cfg.on_policy` (one optimizer step per rollout) the update's
+        own forward gives the old log-probs, so no policy pass."""
+        cfg = self.cfg
+        where = f"{self.inputs.device.type} / {self.precision.name} / {self.policy_attention()} attention"
+        return RolloutPasses(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
+                             critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy,
+                             rows_for=plan.rows)
 
     # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
