@@ -20,6 +20,18 @@ def test_help_shows_every_field_with_doc_and_default(capsys):
     assert "--target-kl FLOAT" in out and "--precision STR" in out
 
 
+@pytest.mark.parametrize("domain", ["control", "rlhf", "sft", "reward"])
+def test_every_trainer_help_prints(domain, capsys):
+    """argparse %-formats help text: a field whose help says "90% of" once crashed `train rlhf --help`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", domain, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--precision STR" in out
+    if domain == "rlhf":
+        assert "90% of" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "control", "--total-steps", "abc"], "total_steps: 'abc' is not an integer"),
     (["train", "control", "--gamma", "2"], "gamma: 2.0 is out of range"),

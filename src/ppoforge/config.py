@@ -178,7 +178,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
         extra = f" {{{','.join(map(str, f.metadata['choices']))}}}" if f.metadata["choices"] else ""
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg.{f.name}", default=argparse.SUPPRESS,
                            metavar=kind.__name__.upper(),
-                           help=f"{f.metadata['help']}{extra} (default: {f.default})")
+                           # argparse %-formats help text: a literal % (as in "90% of") must be doubled
+                           help=f"{f.metadata['help']}{extra} (default: {f.default})".replace("%", "%%"))
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
