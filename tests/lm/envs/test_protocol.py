@@ -83,6 +83,26 @@ def test_guess_number_draws_from_rng_and_reads_options():
     assert env.step("no idea").reward == -0.1
 
 
+def test_guess_number_range_feedback_and_progress_shaping():
+    """feedback=range names the numbers still possible; progress=c pays for the candidates each guess rules
+    out (hand-computed: hi=8, 7 to rule out), so a solved game's shaping sums to c and a repeat earns 0."""
+    env = load_env("guess_number?hi=8&feedback=range&progress=0.7")()
+    first, steps = _play_guess(env, {"secret": 6}, ["4", "3", "7", "6"])
+    assert first[0]["content"].endswith("which numbers are still possible: guessing the middle one finds it fastest.")
+    assert [s.messages[0]["content"] for s in steps] == [
+        "Higher. It is from 5 to 8.", "Higher. It is from 5 to 8.", "Lower. It is from 5 to 6.", "Correct."]
+    # 8 -> 4 candidates (4 ruled out), 4 -> 4 (a guess the feedback had ruled out), 4 -> 2, 2 -> the secret
+    assert [s.reward for s in steps] == pytest.approx([0.7 * 4 / 7, 0.0, 0.7 * 2 / 7, 1.0 + 0.7 * 1 / 7])
+    assert sum(s.reward for s in steps) == pytest.approx(1.7)
+    env = load_env("guess_number?hi=8&feedback=range&progress=0.7")()
+    _, steps = _play_guess(env, {"secret": 2}, ["1", "3"])
+    assert steps[-1].messages[0]["content"] == "Lower. It is 2."
+    assert sum(s.reward for s in steps) == pytest.approx(0.7)  # narrowed to one: all the shaping, not the solve's 1
+    plain = load_env("guess_number?hi=8")()
+    _, steps = _play_guess(plain, {"secret": 6}, ["4", "6"])
+    assert [(s.messages[0]["content"], s.reward) for s in steps] == [("Higher.", 0.0), ("Correct.", 1.0)]
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("nope", "environment: 'nope' is not an environment spec; allowed: py:module.path:Class"),
     ("gym:CartPole-v1", "environment: 'gym:CartPole-v1' is not an environment spec; allowed: py:"),
@@ -93,6 +113,8 @@ def test_guess_number_draws_from_rng_and_reads_options():
     ("guess_number?hi=0", "environment guess_number: hi=0; allowed: an integer >= 1"),
     ("guess_number?colour=red", "environment guess_number\\?colour=red: .*allowed options of guess_number: hi, "
                                 "invalid"),
+    ("guess_number?feedback=loud", "environment guess_number: feedback='loud'; allowed: direction, range"),
+    ("guess_number?progress=lots", "environment guess_number: progress='lots'; allowed: a number"),
     ("guess_number?hi", "the part after \\? is not KEY=VALUE pairs"),
 ])
 def test_bad_spec_is_one_line_user_error(spec, message):
