@@ -1,0 +1,152 @@
+"""`--preset guess_number` over several seeds: held-out games solved within the turn budget, per evaluation.
+
+    .venv/bin/python benchmarks/guess_number_seeds.py --seeds 1,2,3 --parallel 2 --threads 1
+    .venv/bin/python benchmarks/guess_number_seeds.py --report /tmp/gn/B1,/tmp/gn/B2      # runs already made
+
+Each seed is `ppoforge train rlhf --preset guess_number --seed S --torch-threads T --run-dir OUT/seed_S`
+(`--parallel` of them at once: with `--threads 1` two seeds share the two cores, one each). A held-out game
+counts as solved when its return shows the right guess: with the preset's environment (`progress` c,
+`invalid` p per reply without a number) an unsolved game returns at most c, a solved one at least
+1 + c + p * (max_turns - 1), and the report refuses settings where the two could meet. Output under
+--out: guess_number_seeds.json (per seed and evaluation: solved / games, Wilson's 95 % interval, the
+run's wall time), guess_number_seeds.png (solved fraction against updates, one line per seed, error
+bars) and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--parallel", type=int, default=1, help="seeds run at once")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per seed")
+    p.add_argument("--preset", default="guess_number")
+    p.add_argument("--report", default=None, help="comma list of finished run dirs: report them, run nothing")
+    p.add_argument("--out", default=str(HERE / "results"))
+    return p.parse_args()
+
+
+def solved_threshold(cfg: dict) -> float:
+    """The return above which a game was solved (see the module docstring)."""
+    from ppoforge.config import parse_query
+
+    _, options = parse_query(cfg["env"], cfg["env"], "environment")
+    c, p = float(options.get("progress", 0.0)), float(options.get("invalid", 0.0))
+    solved_min = 1.0 + c + min(p, 0.0) * (cfg["max_turns"] - 1)
+    if solved_min <= c:
+        raise SystemExit(f"{cfg['env']}: a solved game can return as little as an unsolved one; cannot count")
+    return (solved_min + c) / 2
+
+
+def report_run(run_dir: Path) -> dict:
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    threshold = solved_threshold(cfg)
+    from ppoforge.core.stats import binomial_interval
+
+    games = collections.defaultdict(list)
+    for line in (run_dir / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["split"] == "heldout":
+            games[row["step"]].append(row["score"] > threshold)
+    points = []
+    for step, solved in sorted(games.items()):
+        lo, hi = binomial_interval(sum(solved), len(solved))
+        points.append({"update": step, "solved": sum(solved), "games": len(solved), "rate": sum(solved) / len(solved),
+                       "lo": lo, "hi": hi})
+    timing = json.loads((run_dir / "timing.json").read_text()) if (run_dir / "timing.json").exists() else {}
+    return {"run_dir": str(run_dir), "seed": cfg["seed"], "env": cfg["env"], "threshold": threshold,
+            "points": points, **timing}
+
+
+def run_seeds(args: argparse.Namespace, out: Path) -> list[Path]:
+    seeds, pending, running, dirs = args.seeds.split(","), [], [], []
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    pending = list(seeds)
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            seed = pending.pop(0)
+            run_dir = out / f"seed_{seed}"
+            cmd = [str(ROOT / ".venv" / "bin" / "ppoforge"), "train", "rlhf", "--preset", args.preset, "--seed", seed,
+                   "--torch-threads", str(args.threads), "--run-dir", str(run_dir), "--progress", "false"]
+            log = open(out / f"seed_{seed}.log", "w")  # noqa: SIM115 (the child writes it until it exits)
+            running.append((run_dir, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                            time.perf_counter()))
+            dirs.append(run_dir)
+        time.sleep(5)
+        for item in list(running):
+            run_dir, proc, start = item
+            if proc.poll() is not None:
+                running.remove(item)
+                if proc.returncode:
+                    raise SystemExit(f"{run_dir}: exit {proc.returncode} (log {run_dir}.log)")
+                (run_dir / "timing.json").write_text(json.dumps({"wall_s": time.perf_counter() - start,
+                                                                 "threads": args.threads, "parallel": args.parallel}))
+    return dirs
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        pts = run["points"]
+        ax.errorbar([p["update"] for p in pts], [100 * p["rate"] for p in pts], capsize=3, marker="o",
+                    yerr=[[100 * (p["rate"] - p["lo"]) for p in pts], [100 * (p["hi"] - p["rate"]) for p in pts]],
+                    label=f"seed {run['seed']}")
+    ax.axhline(50, color="grey", ls=":", label="random distinct guesses (50 %)")
+    ax.axhline(84.4, color="grey", ls="--", label="random guesses the feedback allows (84 %)")
+    ax.set_xlabel("GRPO update")
+    ax.set_ylabel("held-out games solved in 4 guesses (%)")
+    ax.set_title(runs[0]["env"], fontsize=9)
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dirs = [Path(d) for d in args.report.split(",")] if args.report else run_seeds(args, out / "guess_number_runs")
+    runs = [report_run(d) for d in dirs]
+    lines = ["| seed | " + " | ".join(f"update {p['update']}" for p in runs[0]["points"]) + " | wall |",
+             "|---|" + "---|" * (len(runs[0]["points"]) + 1)]
+    for run in runs:
+        cells = [f"{p['rate']:.0%} [{p['lo']:.0%}, {p['hi']:.0%}]" for p in run["points"]]
+        wall = f"{run['wall_s'] / 60:.1f} min" if "wall_s" in run else "?"
+        lines.append(f"| {run['seed']} | " + " | ".join(cells) + f" | {wall} |")
+    final = [run["points"][-1] for run in runs]
+    solved, games = sum(p["solved"] for p in final), sum(p["games"] for p in final)
+    from ppoforge.core.stats import binomial_interval
+
+    lo, hi = binomial_interval(solved, games)
+    lines.append(f"\nafter the last update, {len(runs)} seeds: {solved}/{games} = {solved / games:.1%} "
+                 f"[{lo:.1%}, {hi:.1%}] of held-out games solved")
+    print("\n".join(lines))
+    plot(runs, out / "guess_number_seeds.png")
+    (out / "guess_number_seeds.json").write_text(json.dumps({"runs": runs, "table": lines}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

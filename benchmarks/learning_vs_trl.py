@@ -1,0 +1,248 @@
+"""Held-out accuracy against wall time: ppoforge's GRPO and TRL's GRPOTrainer on the same task and machine.
+
+    .venv/bin/python benchmarks/learning_vs_trl.py                      # 480 s of training each side
+    .venv/bin/python benchmarks/learning_vs_trl.py --budget-s 120 --every-s 40 --heldout 16   # a quick look
+
+What runs (one after the other, on this machine, each for the same training wall-clock budget):
+- the task (learning_task.py): the real SmolLM2-135M-Instruct, reasoning-gym chain_sum as the arithmetic
+  demo sets it (two terms of one digit, the preset's few-shot prompt, answers in <answer> tags), training
+  problems disjoint from `--heldout` held-out problems of another generator seed;
+- ppoforge (ppoforge_learning_worker.py, this venv, `--ppoforge-precision`, default auto) and TRL
+  (trl_learning_worker.py, `--trl-venv`, default the newest TRL in .bench-venvs/trl-current, made if
+  missing; `--trl-precision`, default fp32 = bf16=False, TRL's fastest setting on the CPUs measured here)
+  with the same prompts, reward, G, prompts per step, learning rate, LoRA rank and alpha, beta,
+  temperature and token budget (each worker's docstring lists them in its framework's words);
+- each saves its LoRA adapter every `--every-s` seconds of training and at the end;
+- then this process scores the untrained model and every snapshot of both with the same code: HF
+  `generate` in fp32, `--samples` completions of every held-out problem at the training temperature, the
+  same seed for every snapshot, scored by `learning_task.answer_reward`. Accuracy = exact answers / samples,
+  with Wilson's 95 % interval (ppoforge.core.stats.binomial_interval; over samples, so narrower than over
+  problems).
+
+Output under --out: learning_vs_trl.json (every point, both runs' settings and versions, the machine's
+other load during each run), learning_vs_trl.png (accuracy against training seconds, error bars) and a
+markdown table on stdout. The summary line compares TRL's final accuracy with the first ppoforge
+snapshot that reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import learning_task  # noqa: E402
+import rlhf_vs_trl  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget-s", type=float, default=480.0, help="training wall time of each side")
+    p.add_argument("--every-s", type=float, default=60.0, help="a snapshot every this many training seconds")
+    p.add_argument("--heldout", type=int, default=64, help="held-out problems")
+    p.add_argument("--samples", type=int, default=4, help="completions scored per held-out problem")
+    p.add_argument("--digits", type=int, default=1, help="operand digits (2: the harder variant)")
+    p.add_argument("--seed", type=int, default=0, help="both trainers' seed")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ppoforge-precision", default="auto", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--trl-precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl-current"))
+    p.add_argument("--sides", default="ppoforge,trl", help="which to run, in this order")
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--timeout", type=float, default=3600.0, help="per worker")
+    p.add_argument("--quiet-wait", type=float, default=120.0,
+                   help="seconds to wait, before each run, for other load to fall below 0.3 cores")
+    return p.parse_args()
+
+
+def trl_python(venv: Path) -> Path:
+    """The newest TRL's venv, with what the task needs: peft (this venv's version), reasoning-gym, requests."""
+    py = rlhf_vs_trl.ensure_trl_venv(venv, *rlhf_vs_trl.TRL_VENVS["trl-current"])
+    for module, req in (("peft", f"peft=={importlib.metadata.version('peft')}"), ("requests", "requests"),
+                        ("reasoning_gym", f"reasoning-gym=={importlib.metadata.version('reasoning_gym')}")):
+        if subprocess.run([str(py), "-c", f"import {module}"], capture_output=True).returncode:
+            subprocess.run([str(py), "-m", "pip", "install", "-q", req], check=True)
+    return py
+
+
+def run(cmd: list[str], args: argparse.Namespace, log: Path) -> dict:
+    """One worker in a fresh process (its output to `log`); the machine's other load while it ran."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "TRL_EXPERIMENTAL_SILENCE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    waited = rlhf_vs_trl.wait_for_quiet(args.quiet_wait)
+    (b0, t0), c0 = rlhf_vs_trl.busy_seconds(), rlhf_vs_trl.children_cpu()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout, cwd=ROOT)
+    (b1, t1), c1 = rlhf_vs_trl.busy_seconds(), rlhf_vs_trl.children_cpu()
+    if proc.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise SystemExit(f"{cmd[1]} exited {proc.returncode}:\n{tail}")
+    return {"other_load_cores": max(0.0, (b1 - b0) - (c1 - c0)) / (t1 - t0), "quiet_wait_s": waited,
+            "process_s": t1 - t0}
+
+
+class Evaluator:
+    """The held-out score of a LoRA snapshot: one fp32 model with peft's adapter slots, the same seed,
+    sampling settings and reward for every snapshot of either side."""
+
+    def __init__(self, model_dir: Path, rows: list[dict], samples: int, seed: int, batch: int = 64):
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ppoforge.config import read_preset
+
+        preset = read_preset("arithmetic_demo", "rlhf")
+        self.temperature, self.new_tokens = preset["temperature"], preset["max_new_tokens"]
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.tok.padding_side = "left"
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.eos = [self.tok.eos_token_id, self.tok.convert_tokens_to_ids("Ċ")]
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", bias="none",
+                          task_type="CAUSAL_LM")
+        self.model = get_peft_model(base, lora).eval()
+        self.rows = [r for r in rows for _ in range(samples)]
+        self.seed, self.batch = seed, batch
+
+    def _complete(self) -> list[str]:
+        import torch
+
+        torch.manual_seed(self.seed)
+        texts = []
+        for i in range(0, len(self.rows), self.batch):
+            prompts = [r["prompt"] for r in self.rows[i:i + self.batch]]
+            enc = self.tok(prompts, return_tensors="pt", padding=True)
+            with torch.inference_mode():
+                ids = self.model.generate(**enc, do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
+                                          max_new_tokens=self.new_tokens, eos_token_id=self.eos,
+                                          pad_token_id=self.tok.pad_token_id or self.tok.eos_token_id)
+            texts += self.tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return texts
+
+    def score(self, snapshot: Path | None) -> dict:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from ppoforge.core.stats import binomial_interval
+
+        if snapshot is None:
+            with self.model.disable_adapter():
+                texts = self._complete()
+        else:
+            set_peft_model_state_dict(self.model, load_file(snapshot), adapter_name="default")
+            texts = self._complete()
+        scores = learning_task.answer_reward([r["prompt"] for r in self.rows], texts, [r["entry"] for r in self.rows])
+        exact = sum(s == 1.0 for s in scores)
+        lo, hi = binomial_interval(exact, len(scores))
+        return {"accuracy": exact / len(scores), "lo": lo, "hi": hi, "exact": exact, "n": len(scores),
+                "tagged": sum("<answer>" in t for t in texts) / len(texts), "example": texts[0]}
+
+
+def reach(points: list[dict], target: float) -> dict | None:
+    """The first point at or above `target` accuracy."""
+    return next((p for p in points if p["accuracy"] >= target), None)
+
+
+def summary(sides: dict) -> list[str]:
+    lines = ["| side | training s | updates | held-out exact | 95 % interval |", "|---|---|---|---|---|"]
+    for name, side in sides.items():
+        for p in side["points"]:
+            lines.append(f"| {name} | {p['train_s']:.0f} | {p['updates']} | {p['accuracy']:.1%} "
+                         f"({p['exact']}/{p['n']}) | [{p['lo']:.1%}, {p['hi']:.1%}] |")
+    if {"ppoforge", "trl"} <= sides.keys():
+        trl_end, ours = sides["trl"]["points"][-1], sides["ppoforge"]["points"]
+        hit = reach(ours[1:], trl_end["accuracy"])
+        if hit is None:
+            lines.append(f"\nppoforge never reached TRL's final {trl_end['accuracy']:.1%} "
+                         f"(its best {max(p['accuracy'] for p in ours):.1%}).")
+        else:
+            lines.append(f"\nppoforge reached TRL's final {trl_end['accuracy']:.1%} (at {trl_end['train_s']:.0f} s) "
+                         f"after {hit['train_s']:.0f} s: {hit['train_s'] / trl_end['train_s']:.2f} of TRL's time; "
+                         f"final {ours[-1]['accuracy']:.1%} vs {trl_end['accuracy']:.1%}.")
+    return lines
+
+
+def plot(sides: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for side, colour in zip(sides.values(), ("tab:blue", "tab:orange"), strict=False):
+        pts = side["points"]
+        x, y = [p["train_s"] for p in pts], [100 * p["accuracy"] for p in pts]
+        err = [[100 * (p["accuracy"] - p["lo"]) for p in pts], [100 * (p["hi"] - p["accuracy"]) for p in pts]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colour, label=side["label"])
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("held-out exact answers (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    from ppoforge.lm.models.smollm2 import ensure_cached
+
+    model_dir = ensure_cached()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="learning-vs-trl-"))
+    task = learning_task.build(work / "task", heldout=args.heldout, digits=args.digits)
+    print(f"[task] {task['train_rows']} training rows ({task['distinct_train_problems']} distinct problems, "
+          f"{task['left_out']} left out as held out), {task['heldout_rows']} held-out problems; work dir {work}",
+          flush=True)
+    common = ["--task-dir", str(work / "task"), "--budget-s", str(args.budget_s), "--every-s", str(args.every_s),
+              "--seed", str(args.seed), "--threads", str(args.threads)]
+    commands = {
+        "ppoforge": [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
+                     "--precision", args.ppoforge_precision],
+        "trl": lambda: [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
+                        "--model-dir", str(model_dir), "--precision", args.trl_precision],
+    }
+    sides: dict = {}
+    for name in args.sides.split(","):
+        cmd = commands[name]() if callable(commands[name]) else commands[name]
+        snaps = work / name
+        print(f"[run] {name}: {args.budget_s:.0f} s of training", flush=True)
+        load = run([*cmd, "--out", str(snaps)], args, work / f"{name}.log")
+        info = json.loads((snaps / "run.json").read_text())
+        label = (f"ppoforge {info['version']} ({info['resolved_precision']})" if name == "ppoforge"
+                 else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
+        sides[name] = {"label": label, "run": info, "load": load,
+                       "snapshots": learning_task.read_rows(snaps / "snapshots.jsonl")}
+    print("[eval] scoring the untrained model and every snapshot", flush=True)
+    evaluator = Evaluator(model_dir, learning_task.read_rows(work / "task" / "heldout.jsonl"), args.samples,
+                          seed=1234)
+    start = {"train_s": 0.0, "updates": 0, **evaluator.score(None)}
+    for name, side in sides.items():
+        side["points"] = [start] + [{"train_s": s["train_s"], "updates": s["updates"], "train_score": s["score"],
+                                     **evaluator.score(work / name / f"snap_{s['snapshot']}.safetensors")}
+                                    for s in side["snapshots"]]
+    lines = summary(sides)
+    print("\n".join(lines))
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    title = (f"SmolLM2-135M-Instruct, chain_sum {args.digits}-digit, GRPO G=8, LoRA r16; {args.heldout} held-out "
+             f"x {args.samples}\n{cpu}, {args.threads} threads")
+    stem = out / ("learning_vs_trl" if args.digits == 1 else f"learning_vs_trl_{args.digits}digit")
+    plot(sides, stem.with_suffix(".png"), title)
+    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "task": task, "cpu": cpu, "sides": sides,
+                                                     "table": lines}, indent=1))
+    print(f"[out] {stem}.json, {stem}.png")
+
+
+if __name__ == "__main__":
+    main()

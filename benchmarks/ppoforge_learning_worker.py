@@ -1,0 +1,92 @@
+"""Train ppoforge's GRPO on learning_task.py's problems for a wall-clock budget, saving LoRA snapshots.
+
+Runs in ppoforge's venv, one process per run (learning_vs_trl.py starts it). The settings are the
+`arithmetic_demo` preset's (GRPO, G = 8, 4 prompts per update, LoRA r 16 / alpha 32 on every linear layer,
+learning rate 5e-4 constant, beta 0, temperature 0.7, 10 new tokens ending at the newline, one optimizer
+step per rollout), with the task folder's training rows as prompts and `learning_task.answer_reward` as
+the reward; no held-out pass inside the run (learning_vs_trl.py scores the snapshots afterwards, with the
+same code for both sides).
+
+The clock: updates run until their summed wall time reaches `--budget-s` (model loading before the first
+update is not counted; neither is saving a snapshot). After the first update past each `--every-s` mark,
+and after the last, the policy's adapter weights go to `snap_K.safetensors` (peft's own state-dict names)
+and one line {"snapshot", "train_s", "updates", "score"} to snapshots.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task-dir", required=True, help="folder written by learning_task.build()")
+    p.add_argument("--out", required=True, help="folder for the snapshots")
+    p.add_argument("--budget-s", type=float, default=480.0, help="training wall time")
+    p.add_argument("--every-s", type=float, default=60.0, help="a snapshot after each this many seconds")
+    p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    import ppoforge
+    from ppoforge.config import build_config, read_preset
+    from ppoforge.lm.rl.config import RLHFConfig
+    from ppoforge.lm.rl.trainer import RLHFTrainer
+    from ppoforge.runtime.allocator import keep_freed_memory
+    from ppoforge.runtime.precision import resolve_precision
+
+    keep_freed_memory()  # as the `ppoforge` command does at its entry
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset = read_preset("arithmetic_demo", "rlhf")
+    cfg = build_config(RLHFConfig, {
+        **preset, "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
+        "reward": f"py:{HERE / 'learning_task.py'}:answer_reward", "total_updates": 10**6, "seed": args.seed,
+        "precision": args.precision, "torch_threads": args.threads, "checkpoint_every": 10**9,
+        "tensorboard": False, "progress": False})
+    run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")
+    trainer = RLHFTrainer(cfg, Path(run_dir.name))
+    trained, mark, snaps = 0.0, args.every_s, 0
+    with open(out / "snapshots.jsonl", "w") as log:
+        while trained < args.budget_s:
+            start = time.perf_counter()
+            metrics, _ = trainer.train_one_update()
+            trained += time.perf_counter() - start
+            if trained >= mark or trained >= args.budget_s:
+                state = get_peft_model_state_dict(trainer.layout.peft, adapter_name="default")
+                weights = {k: v.detach().float().contiguous() for k, v in state.items()}
+                save_file(weights, out / f"snap_{snaps}.safetensors")
+                log.write(json.dumps({"snapshot": snaps, "train_s": trained, "updates": trainer.update,
+                                      "score": metrics["objective/scores"]}) + "\n")
+                log.flush()
+                snaps += 1
+                while mark <= trained:
+                    mark += args.every_s
+    (out / "run.json").write_text(json.dumps({
+        "framework": "ppoforge", "version": ppoforge.__version__, "torch": torch.__version__,
+        "precision": args.precision, "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
+        "updates": trainer.update, "train_s": trained, "completions_per_update": cfg.batch_size * cfg.num_generations,
+        "settings": {k: getattr(cfg, k) for k in ("num_generations", "batch_size", "learning_rate", "lora_r",
+                                                  "lora_alpha", "kl_coef", "temperature", "max_new_tokens",
+                                                  "loss_agg", "scale_rewards", "anneal_lr")}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
