@@ -58,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sides", default="ppoforge,trl", help="which to run, in this order")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--timeout", type=float, default=3600.0, help="per worker")
+    p.add_argument("--score-only", metavar="WORK_DIR", default=None,
+                   help="score the snapshots already in WORK_DIR (a work dir this script printed), train nothing")
     p.add_argument("--quiet-wait", type=float, default=120.0,
                    help="seconds to wait, before each run, for other load to fall below 0.3 cores")
     return p.parse_args()
@@ -139,6 +141,7 @@ class Evaluator:
         else:
             set_peft_model_state_dict(self.model, load_file(snapshot), adapter_name="default")
             texts = self._complete()
+        print(f"[eval] {snapshot or 'untrained'}", flush=True)
         scores = learning_task.answer_reward([r["prompt"] for r in self.rows], texts, [r["entry"] for r in self.rows])
         exact = sum(s == 1.0 for s in scores)
         lo, hi = binomial_interval(exact, len(scores))
@@ -192,6 +195,25 @@ def plot(sides: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path) -> dict:
+    """Run one side's worker for the budget; its settings, the machine's load and its snapshots."""
+    common = ["--task-dir", str(work / "task"), "--budget-s", str(args.budget_s), "--every-s", str(args.every_s),
+              "--seed", str(args.seed), "--threads", str(args.threads), "--out", str(work / name)]
+    if name == "ppoforge":
+        cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
+               "--precision", args.ppoforge_precision]
+    else:
+        cmd = [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
+               "--model-dir", str(model_dir), "--precision", args.trl_precision]
+    print(f"[run] {name}: {args.budget_s:.0f} s of training", flush=True)
+    load = run(cmd, args, work / f"{name}.log")
+    info = json.loads((work / name / "run.json").read_text())
+    label = (f"ppoforge {info['version']} ({info['resolved_precision']})" if name == "ppoforge"
+             else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
+    return {"label": label, "run": info, "load": load,
+            "snapshots": learning_task.read_rows(work / name / "snapshots.jsonl")}
+
+
 def main() -> None:
     args = parse_args()
     from ppoforge.lm.models.smollm2 import ensure_cached
@@ -199,31 +221,23 @@ def main() -> None:
     model_dir = ensure_cached()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="learning-vs-trl-"))
-    task = learning_task.build(work / "task", heldout=args.heldout, digits=args.digits)
-    print(f"[task] {task['train_rows']} training rows ({task['distinct_train_problems']} distinct problems, "
-          f"{task['left_out']} left out as held out), {task['heldout_rows']} held-out problems; work dir {work}",
-          flush=True)
-    common = ["--task-dir", str(work / "task"), "--budget-s", str(args.budget_s), "--every-s", str(args.every_s),
-              "--seed", str(args.seed), "--threads", str(args.threads)]
-    commands = {
-        "ppoforge": [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
-                     "--precision", args.ppoforge_precision],
-        "trl": lambda: [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
-                        "--model-dir", str(model_dir), "--precision", args.trl_precision],
-    }
-    sides: dict = {}
-    for name in args.sides.split(","):
-        cmd = commands[name]() if callable(commands[name]) else commands[name]
-        snaps = work / name
-        print(f"[run] {name}: {args.budget_s:.0f} s of training", flush=True)
-        load = run([*cmd, "--out", str(snaps)], args, work / f"{name}.log")
-        info = json.loads((snaps / "run.json").read_text())
-        label = (f"ppoforge {info['version']} ({info['resolved_precision']})" if name == "ppoforge"
-                 else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
-        sides[name] = {"label": label, "run": info, "load": load,
-                       "snapshots": learning_task.read_rows(snaps / "snapshots.jsonl")}
+    if args.score_only:
+        work = Path(args.score_only)
+        task = json.loads((work / "task" / "task.json").read_text())
+        sides = json.loads((work / "sides.json").read_text())
+    else:
+        work = Path(tempfile.mkdtemp(prefix="learning-vs-trl-"))
+        task, sides = learning_task.build(work / "task", heldout=args.heldout, digits=args.digits), {}
+        print(f"[task] {task['train_rows']} training rows ({task['distinct_train_problems']} distinct problems, "
+              f"{task['left_out']} left out as held out), {task['heldout_rows']} held-out problems; work dir {work}",
+              flush=True)
+        for name in args.sides.split(","):
+            sides[name] = train_side(name, args, work, model_dir)
+            (work / "sides.json").write_text(json.dumps(sides, indent=1))
     print("[eval] scoring the untrained model and every snapshot", flush=True)
+    import torch
+
+    torch.set_num_threads(args.threads)
     evaluator = Evaluator(model_dir, learning_task.read_rows(work / "task" / "heldout.jsonl"), args.samples,
                           seed=1234)
     start = {"train_s": 0.0, "updates": 0, **evaluator.score(None)}
@@ -235,9 +249,9 @@ def main() -> None:
     print("\n".join(lines))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
-    title = (f"SmolLM2-135M-Instruct, chain_sum {args.digits}-digit, GRPO G=8, LoRA r16; {args.heldout} held-out "
-             f"x {args.samples}\n{cpu}, {args.threads} threads")
-    stem = out / ("learning_vs_trl" if args.digits == 1 else f"learning_vs_trl_{args.digits}digit")
+    title = (f"SmolLM2-135M-Instruct, chain_sum {task['digits']}-digit, GRPO G=8, LoRA r16; {task['heldout_rows']} "
+             f"held-out x {args.samples}\n{cpu}, {args.threads} threads")
+    stem = out / ("learning_vs_trl" if task["digits"] == 1 else f"learning_vs_trl_{task['digits']}digit")
     plot(sides, stem.with_suffix(".png"), title)
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "task": task, "cpu": cpu, "sides": sides,
                                                      "table": lines}, indent=1))
