@@ -23,6 +23,9 @@ import json
 from pathlib import Path
 
 HELDOUT_SEED = 100000
+# the adapters of both sides and of the evaluator (peft LoraConfig keywords): ppoforge's layout defaults
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none",
+        "task_type": "CAUSAL_LM"}
 
 
 def spec(size: int, seed: int, digits: int, terms: int, instruction: str) -> str:

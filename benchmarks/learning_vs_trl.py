@@ -108,8 +108,7 @@ class Evaluator:
         self.tok.padding_side = "left"
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.eos = [self.tok.eos_token_id, self.tok.convert_tokens_to_ids("Ċ")]
-        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", bias="none",
-                          task_type="CAUSAL_LM")
+        lora = LoraConfig(**learning_task.LORA)
         self.model = get_peft_model(base, lora).eval()
         self.rows = [r for r in rows for _ in range(samples)]
         self.seed, self.batch = seed, batch

@@ -67,8 +67,7 @@ def main() -> None:
     policy.generation_config.eos_token_id = [*(eos if isinstance(eos, list) else [eos]), newline]
     rows = learning_task.read_rows(Path(args.task_dir) / "train.jsonl")
     data = Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "entry": [r["entry"] for r in rows]})
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", bias="none",
-                      task_type="CAUSAL_LM")
+    lora = LoraConfig(**learning_task.LORA)
     state = {"trained": 0.0, "mark": args.every_s, "snaps": 0, "stop": False}
 
     class Budget(TrainerCallback):
