@@ -74,9 +74,8 @@ def report_run(run_dir: Path) -> dict:
 
 
 def run_seeds(args: argparse.Namespace, out: Path) -> list[Path]:
-    seeds, pending, running, dirs = args.seeds.split(","), [], [], []
+    pending, running, dirs = args.seeds.split(","), [], []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    pending = list(seeds)
     while pending or running:
         while pending and len(running) < args.parallel:
             seed = pending.pop(0)

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 HELDOUT_SEED = 100000
+SETTINGS = ("num_generations", "batch_size", "learning_rate", "temperature", "max_new_tokens")
 # the adapters of both sides and of the evaluator (peft LoraConfig keywords): ppoforge's layout defaults
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none",
         "task_type": "CAUSAL_LM"}
@@ -53,7 +54,9 @@ def build(out: Path, train: int = 500, heldout: int = 64, digits: int = 1, terms
                 f.write(json.dumps({"prompt": r["prompt"], "entry": json.dumps(entry)}) + "\n")
     info = {"task": "chain_sum", "digits": digits, "terms": terms, "train_rows": len(kept),
             "left_out": len(rows) - len(kept), "heldout_rows": len(held),
-            "distinct_train_problems": len({r["prompt"] for r in kept}), "instruction": quote(instruction)}
+            "distinct_train_problems": len({r["prompt"] for r in kept}), "instruction": quote(instruction),
+            # the preset's trainer settings, which the TRL worker (no ppoforge in its venv) reads from here
+            "settings": {k: preset[k] for k in SETTINGS}}
     (out / "task.json").write_text(json.dumps(info, indent=1))
     return info
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -77,8 +76,7 @@ def trl_python(venv: Path) -> Path:
 
 def run(cmd: list[str], args: argparse.Namespace, log: Path) -> dict:
     """One worker in a fresh process (its output to `log`); the machine's other load while it ran."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-           "TRL_EXPERIMENTAL_SILENCE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**rlhf_vs_trl.worker_env(args), "CUDA_VISIBLE_DEVICES": ""}
     waited = rlhf_vs_trl.wait_for_quiet(args.quiet_wait)
     (b0, t0), c0 = rlhf_vs_trl.busy_seconds(), rlhf_vs_trl.children_cpu()
     with open(log, "w") as f:

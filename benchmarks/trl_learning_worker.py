@@ -66,6 +66,8 @@ def main() -> None:
     eos = policy.generation_config.eos_token_id
     policy.generation_config.eos_token_id = [*(eos if isinstance(eos, list) else [eos]), newline]
     rows = learning_task.read_rows(Path(args.task_dir) / "train.jsonl")
+    cfg = json.loads((Path(args.task_dir) / "task.json").read_text())["settings"]  # the preset's
+    completions = cfg["batch_size"] * cfg["num_generations"]
     data = Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "entry": [r["entry"] for r in rows]})
     lora = LoraConfig(**learning_task.LORA)
     state = {"trained": 0.0, "mark": args.every_s, "snaps": 0, "stop": False}
@@ -95,8 +97,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-learning-trl-") as tmp, open(out / "snapshots.jsonl", "w") as log:
         config = trl.GRPOConfig(
             output_dir=tmp, report_to=[], save_strategy="no", disable_tqdm=True, seed=args.seed, use_cpu=True,
-            bf16=args.precision == "bf16", per_device_train_batch_size=16, gradient_accumulation_steps=2,
-            num_generations=8, max_completion_length=10, temperature=0.7, beta=0.0, learning_rate=5e-4,
+            bf16=args.precision == "bf16",
+            per_device_train_batch_size=16, gradient_accumulation_steps=completions // 16,
+            num_generations=cfg["num_generations"], max_completion_length=cfg["max_new_tokens"],
+            temperature=cfg["temperature"], beta=0.0, learning_rate=float(cfg["learning_rate"]),
             lr_scheduler_type="constant", warmup_steps=0, max_steps=10**5, logging_steps=1,
             gradient_checkpointing=False, loss_type="grpo", scale_rewards="group")
         trainer = trl.GRPOTrainer(model=policy, reward_funcs=learning_task.answer_reward, args=config,
@@ -105,7 +109,7 @@ def main() -> None:
     (out / "run.json").write_text(json.dumps({
         "framework": "trl", "version": trl.__version__, "transformers": transformers.__version__,
         "peft": peft.__version__, "torch": torch.__version__, "precision": args.precision,
-        "updates": trainer.state.global_step, "train_s": state["trained"], "completions_per_update": 32,
+        "updates": trainer.state.global_step, "train_s": state["trained"], "completions_per_update": completions,
         "mixed_precision": trainer.accelerator.mixed_precision}, indent=1))
 
 
