@@ -327,3 +327,47 @@ def test_k3_kl_in_the_loss_ignores_what_sits_on_padding(cfg_for, tmp_path, monke
     assert sum(padded) > 0  # the case exists
     assert metrics["guard/skipped_steps"] == 0
     assert math.isfinite(metrics["loss/policy_avg"]) and math.isfinite(metrics["kl"])
+
+
+@pytest.mark.parametrize("loss_agg", ["seq_mean_token_mean", "token_mean"])
+def test_a_grpo_step_has_the_textbook_gradient_of_a_plain_forward(cfg_for, tmp_path, loss_agg):
+    """The gradient one GRPO step applies (shared-prefix rows, accumulated micro-batches, the custom
+    log-prob backward) equals autograd's on the loss written out from its definition over a plain peft
+    forward of the padded rows: A_i = (r_i - mean_g r) / (std_g r + eps) (unbiased std, TRL's), per-token
+    log-probs of softmax(logits / temperature), -A_i log p averaged per sequence then over sequences
+    (seq_mean_token_mean, TRL's loss_type="grpo") or over all tokens (token_mean, DAPO's)."""
+    cfg = cfg_for(layout="lora", mini_batch_size=8, micro_batch_size=2, temperature=0.7, loss_agg=loss_agg,
+                  kl_coef=0.0, learning_rate=1e-3)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
+    trainer.train_one_update()  # B leaves 0: the second step's gradient reaches A and B
+    named = dict(trainer.layout.named_trainable())
+    seen, clip, update = {}, trainer.precision.clip, trainer.ppo_update
+
+    def recorded_clip(optimizer, params, max_norm):
+        seen["grads"] = {n: p.grad.clone() for n, p in named.items()}
+        seen["weights"] = {n: p.detach().clone() for n, p in named.items()}
+        return clip(optimizer, params, max_norm)
+
+    trainer.precision.clip = recorded_clip
+    trainer.ppo_update = lambda b: (seen.setdefault("rollout", b), update(b))[1]
+    trainer.train_one_update()
+    b = seen["rollout"]
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(seen["weights"][n])
+    trainer.layout.peft.zero_grad(set_to_none=True)
+    scores = b.scores.view(-1, cfg.num_generations)
+    adv = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-4)).flatten()
+    n_prompt, n_resp = b.ids.shape[1] - b.resp.shape[1], b.resp.shape[1]
+    positions = (b.mask.cumsum(1) - 1).clamp(min=0).long()
+    logits = trainer.layout.peft(input_ids=b.ids, attention_mask=b.mask.long(), position_ids=positions).logits
+    logits = logits[:, n_prompt - 1:n_prompt + n_resp - 1].float() / cfg.temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, b.resp[..., None]).squeeze(-1)
+    m = b.resp_mask
+    per_token = -adv[:, None] * logp * m
+    loss = ((per_token.sum(1) / m.sum(1)).mean() if loss_agg == "seq_mean_token_mean"
+            else per_token.sum() / m.sum())
+    loss.backward()
+    assert any(g.abs().sum() > 0 for n, g in seen["grads"].items() if "lora_A" in n)
+    for n, p in named.items():
+        torch.testing.assert_close(seen["grads"][n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
