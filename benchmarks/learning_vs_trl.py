@@ -52,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="both trainers' seed")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ppoforge-precision", default="auto", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--ppoforge-batch", type=int, default=None,
+                   help="ppoforge's prompts per update (default: the preset's 4, as TRL's): what its faster "
+                        "steps can buy; one optimizer step per rollout either way")
     p.add_argument("--trl-precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl-current"))
     p.add_argument("--sides", default="ppoforge,trl", help="which to run, in this order")
@@ -198,14 +201,16 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path)
               "--seed", str(args.seed), "--threads", str(args.threads), "--out", str(work / name)]
     if name == "ppoforge":
         cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
-               "--precision", args.ppoforge_precision]
+               "--precision", args.ppoforge_precision,
+               *(["--batch-size", str(args.ppoforge_batch)] if args.ppoforge_batch else [])]
     else:
         cmd = [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
                "--model-dir", str(model_dir), "--precision", args.trl_precision]
     print(f"[run] {name}: {args.budget_s:.0f} s of training", flush=True)
     load = run(cmd, args, work / f"{name}.log")
     info = json.loads((work / name / "run.json").read_text())
-    label = (f"ppoforge {info['version']} ({info['resolved_precision']})" if name == "ppoforge"
+    label = (f"ppoforge {info['version']} ({info['resolved_precision']}, "
+             f"{info['settings']['batch_size']} prompts/update)" if name == "ppoforge"
              else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
     return {"label": label, "run": info, "load": load,
             "snapshots": learning_task.read_rows(work / name / "snapshots.jsonl")}

@@ -33,6 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="training wall time")
     p.add_argument("--every-s", type=float, default=60.0, help="a snapshot after each this many seconds")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="auto")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="prompts per update (default: the preset's 4); still one optimizer step per rollout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args()
@@ -60,7 +62,9 @@ def main() -> None:
         **preset, "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
         "reward": f"py:{HERE / 'learning_task.py'}:answer_reward", "total_updates": 10**6, "seed": args.seed,
         "precision": args.precision, "torch_threads": args.threads, "checkpoint_every": 10**9,
-        "tensorboard": False, "progress": False})
+        "tensorboard": False, "progress": False,
+        **({"batch_size": args.batch_size, "mini_batch_size": args.batch_size * preset["num_generations"]}
+           if args.batch_size else {})})
     run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")
     trainer = RLHFTrainer(cfg, Path(run_dir.name))
     trained, mark, snaps = 0.0, args.every_s, 0
