@@ -137,10 +137,18 @@ def test_draws_follow_the_temperature_scaled_softmax():
     assert (top1 == 2).all()
 
 
+@pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("family", ["qwen2", "llama-with-biases"])
-def test_lean_llama_decoder_matches_hf_forward(family):
+def test_lean_llama_decoder_matches_hf_forward(monkeypatch, family, packing):
+    """fp32: with its weights prepacked for oneDNN (on CPU, where torch has it; then oneDNN's kernels, not
+    MKL's, so to rounding only) and with plain F.linear."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from ppoforge.lm.models import decoders
+
+    if packing and not decoders.onednn_packing(torch.float32):
+        pytest.skip("this torch cannot prepack fp32 weights for oneDNN")
+    monkeypatch.setattr(decoders, "onednn_packing", lambda dtype: packing)
     torch.manual_seed(0)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
@@ -155,6 +163,7 @@ def test_lean_llama_decoder_matches_hf_forward(family):
     lean, hf = LlamaDecoder(model), HFDecoder(model)
     with torch.inference_mode():
         torch.testing.assert_close(lean.prefill(ids, mask, 4)[0], hf.prefill(ids, mask, 4)[0], atol=1e-5, rtol=1e-5)
+        assert lean.linear is (decoders._packed_linear if packing else torch.nn.functional.linear)
         for t, tok in enumerate([[3, 4, 5], [6, 7, 8], [9, 10, 11]]):
             tok = torch.tensor(tok)
             torch.testing.assert_close(lean.step(tok, t)[0], hf.step(tok, t)[0], atol=1e-5, rtol=1e-5)
@@ -173,7 +182,7 @@ def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weight
     ids, mask = _left_padded([[5, 9, 13, 17, 21], [40, 41], [60, 61, 62]])
 
     def decode(packing: bool) -> tuple[list[torch.Tensor], object]:
-        monkeypatch.setattr(decoders, "onednn_packing", lambda: packing)
+        monkeypatch.setattr(decoders, "onednn_packing", lambda dtype: packing)
         dec = LlamaDecoder(model)
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             out = [*dec.prefill(ids, mask, 3)] + [x for i, t in enumerate([[3, 4, 5], [6, 7, 8]])
@@ -191,7 +200,7 @@ def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weight
 
 @pytest.mark.parametrize("kind", ["hf", "lean"])
 def test_runs_of_one_prompt_prefill_it_once_and_sample_as_if_each_had_its_own(tiny_model, kind):
-    """`repeats`: rows in runs of equal prompts (GRPO's completions) prefill one copy of each prompt and
+    """`share_prefill`: rows in runs of equal prompts (GRPO's completions) prefill one copy of each prompt and
     repeat its KV cache; with the same uniforms the completions and log-probs are those of the plain
     batch (fp32: to rounding). Rows that are not in runs fall back to the plain prefill."""
     ids, mask = _left_padded([[5, 9, 13, 17], [5, 9, 13, 17], [5, 9, 13, 17], [40, 41], [40, 41], [40, 41]])
@@ -200,11 +209,22 @@ def test_runs_of_one_prompt_prefill_it_once_and_sample_as_if_each_had_its_own(ti
     decoder = (LlamaDecoder if kind == "lean" else HFDecoder)(tiny_model)
     prefilled, prefill = [], decoder.prefill
     decoder.prefill = lambda i, m, n: prefilled.append(i.shape[0]) or prefill(i, m, n)
-    shared = sample(decoder, ids, mask, params, uniforms=u, repeats=3)
+    shared = sample(decoder, ids, mask, params, uniforms=u, share_prefill=True)
     plain = sample(decoder, ids, mask, params, uniforms=u)
     assert prefilled == [2, 6]
     assert torch.equal(shared.response_ids, plain.response_ids)
     assert len(set(map(tuple, plain.response_ids.tolist()))) > 2  # the copies sampled different completions
     torch.testing.assert_close(shared.logp, plain.logp, atol=1e-5, rtol=0)
-    sample(decoder, ids[[0, 3, 1, 4, 2, 5]], mask, params, uniforms=u, repeats=3)  # not in runs
-    assert prefilled == [2, 6, 6]
+    sample(decoder, ids[[0, 3, 1, 4, 2, 5]], mask, params, uniforms=u, share_prefill=True)  # not in runs
+    sample(decoder, ids[[0, 1, 2, 3, 4]], mask[:5], params, uniforms=u[:, :5], share_prefill=True)  # runs of 3, 2
+    assert prefilled == [2, 6, 6, 5]
+
+
+def test_run_length_is_the_length_of_equal_runs_of_rows():
+    from ppoforge.lm.models.sampler import run_length
+
+    ids, mask = _left_padded([[5, 9], [5, 9], [7], [7], [8], [8]])
+    assert run_length(ids, mask) == 2
+    assert run_length(ids[:5], mask[:5]) == 1  # runs of 2, 2, 1
+    assert run_length(ids[[0, 2, 4]], mask[[0, 2, 4]]) == 1
+    assert run_length(ids[:2], mask[:2]) == 2
