@@ -1,5 +1,6 @@
-"""Shared-prefix rows: the layout itself (positions, the tree mask, the picked positions), and parity with
-the padded rows — hidden states, log-probs, values, the reference and every gradient — on each layout."""
+"""Shared-prefix rows: the layout itself (positions, the tree mask, the picked positions) for a group's
+prompt, a header that different prompts share and no common prefix at all, and parity with the padded
+rows — hidden states, log-probs, values, the reference and every gradient — on each layout."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from ppoforge.lm.models.layouts import build_full, build_lora
 from ppoforge.lm.models.loading import load_causal_lm
 from ppoforge.lm.models.logprobs import token_logprobs
-from ppoforge.lm.models.rows import RowPlan, attention_cost, padded, shared_prefix, unit_order, unit_size
+from ppoforge.lm.models.rows import RowPlan, attention_cost, padded, rows_work, shared_prefix, unit_order
 
 PAD = 0
 
@@ -47,12 +48,42 @@ def test_runs_of_the_same_prompt_are_cut_into_units_of_at_most_k():
     assert shared_prefix(ids, mask, t, k=3).ids.tolist() == [[5, 6, 10, 11, 12]]
 
 
-def test_unit_size_trades_the_shared_prompt_against_attention():
+def test_different_prompts_share_their_common_header_and_keep_their_own_positions():
+    """Prompts [1, 2, 3] and [1, 2, 4, 5] share [1, 2]: one row [1, 2 | 3, 10, 11 | 4, 5, 12]; each token's
+    position is its place in its own sequence, each branch sees the header and itself."""
+    ids, mask, t = _rollout([[1, 2, 3], [1, 2, 4, 5]], [[[10, 11]], [[12]]])
+    rows = shared_prefix(ids, mask, t, k=2)
+    assert rows.ids.tolist() == [[1, 2, 3, 10, 11, 4, 5, 12]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 4, 2, 3, 4]]
+    allowed = rows.allowed[0, 0].int().tolist()
+    assert allowed[5] == [1, 1, 0, 0, 0, 1, 0, 0]  # 4: the header and itself, not the other branch
+    assert allowed[7] == [1, 1, 0, 0, 0, 1, 1, 1]
+    assert allowed[4] == [1, 1, 1, 1, 1, 0, 0, 0]
+    # 10 is predicted by 3 (slot 2), 11 by 10; 12 by 5 (slot 6); row 1's padding by its last token, 12
+    assert rows.picks.tolist() == [[2, 3], [6, 7]]
+
+
+def test_sequences_with_nothing_in_common_are_packed_without_padding():
+    ids, mask, t = _rollout([[7, 8], [9]], [[[10, 11, 12]], [[13]]])
+    rows = shared_prefix(ids, mask, t, k=2)
+    assert rows.ids.tolist() == [[7, 8, 10, 11, 12, 9, 13]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert rows.allowed[0, 0, 6].int().tolist() == [0, 0, 0, 0, 0, 1, 1]  # a block-diagonal causal mask
+    assert rows.picks.tolist() == [[1, 2, 3], [5, 6, 6]]
+
+
+def test_rows_work_trades_the_shared_prompt_against_attention_and_counts_padding():
     ids, mask, t = _rollout([[1] * 80], [[[2] * 10] * 8])  # a long prompt, short answers: share them all
-    assert unit_size(mask, t, [2, 4, 8], attention_cost=1e-4) == 8
-    assert unit_size(mask, t, [], attention_cost=1e-4) == 1  # nothing allowed: padded
+    assert rows_work(ids, mask, t, 1, 1e-4) == pytest.approx(8 * (90 + 1e-4 * 90 ** 2))
+    assert rows_work(ids, mask, t, 8, 1e-4) == pytest.approx(160 + 1e-4 * 160 ** 2)
+    plan = RowPlan((2, 4, 8), attention_cost=1e-4)
+    assert plan.choose(ids, mask, t) == 8
+    assert RowPlan((), attention_cost=1e-4).choose(ids, mask, t) == 1  # nothing allowed: padded
     ids, mask, t = _rollout([[1] * 4], [[[2] * 200] * 8])  # a short prompt, long answers: attention dominates
-    assert unit_size(mask, t, [2, 4, 8], attention_cost=1e-2) == 1
+    assert RowPlan((2, 4, 8), attention_cost=1e-2).choose(ids, mask, t) == 1
+    # two prompts of one shared header and one long answer among short ones: padding costs the padded rows
+    ids, mask, t = _rollout([[1, 2, 3], [1, 2, 4]], [[[5] * 40], [[6] * 2]])
+    assert rows_work(ids, mask, t, 1, 0.0) == 2 * 43 and rows_work(ids, mask, t, 2, 0.0) == 2 + 41 + 3
 
 
 def test_unit_order_keeps_units_together_in_the_order_the_draw_gives():
@@ -98,23 +129,37 @@ def _pass(layout, rows, resp, m, weights):
     return logp.detach() * m, values.detach() * m, ref * m[..., None], fast_ref * m[..., None], loss.detach(), grads
 
 
+def _groups(tokens):
+    """GRPO's rollout: two prompts of different lengths, four completions each that end at different lengths."""
+    return _rollout([tokens(7), tokens(4)], [[tokens(n) for n in (5, 2, 6, 1)], [tokens(n) for n in (3, 6, 4, 6)]])
+
+
+def _headers(tokens):
+    """PPO's rollout: eight prompts, most behind one 3-token header (one is the header alone), two with
+    nothing in common; one completion each."""
+    header = tokens(3)
+    prompts = [header + tokens(2), header + tokens(4), header, header + tokens(1), tokens(5), tokens(2),
+               header + tokens(3), header + tokens(2)]
+    return _rollout(prompts, [[tokens(n)] for n in (5, 2, 6, 1, 3, 6, 4, 6)])
+
+
+@pytest.mark.parametrize("rollout", [_groups, _headers])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", ["lora", "lora-critic", "full"])
-def test_shared_prefix_rows_equal_padded_rows_and_their_gradients(tiny_lm_dir, kind, attn):
-    """Two prompts of different lengths, four completions each that end at different lengths: log-probs,
-    values, the reference (peft's and the lean decoder's), the loss and every gradient of units of 4 and
-    of 2 equal the padded rows' to fp32 rounding (<= 1e-6)."""
+def test_shared_prefix_rows_equal_padded_rows_and_their_gradients(tiny_lm_dir, kind, attn, rollout):
+    """A GRPO rollout (prompts shared by their groups) and a PPO one (a header shared by most prompts):
+    log-probs, values, the reference (peft's and the lean decoder's), the loss and every gradient of units
+    of 4 and of 2 equal the padded rows' to fp32 rounding (<= 1e-6)."""
     layout = _layout(tiny_lm_dir, kind, attn)
     gen = torch.Generator().manual_seed(1)
-    tokens = lambda n: torch.randint(3, 60, (n,), generator=gen).tolist()  # noqa: E731
-    ids, mask, t = _rollout([tokens(7), tokens(4)], [[tokens(n) for n in (5, 2, 6, 1)],
-                                                     [tokens(n) for n in (3, 6, 4, 6)]])
+    ids, mask, t = rollout(lambda n: torch.randint(3, 60, (n,), generator=gen).tolist())
     resp, m = ids[:, -t:], mask[:, -t:]
     weights = torch.randn((2, *m.shape), generator=gen) * m  # real tokens only, as every loss is
     want = _pass(layout, padded(ids, mask, t), resp, m, weights)
     for k in (4, 2):
         rows = shared_prefix(ids, mask, t, k)
         assert rows.ids.shape[0] == 8 // k
+        assert rows.ids.numel() < ids.numel()  # fewer tokens computed than padded
         got = _pass(layout, rows, resp, m, weights)
         for name, g, w in zip(("logp", "values", "ref", "fast ref", "loss"), got[:5], want[:5], strict=True):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=0, msg=lambda s, name=name: f"{name}: {s}")
@@ -128,7 +173,9 @@ def test_shared_prefix_rows_equal_padded_rows_and_their_gradients(tiny_lm_dir, k
 def test_row_plan_is_padded_without_sizes_and_shared_where_it_pays():
     ids, mask, t = _rollout([[1] * 30], [[[2] * 3] * 4])
     assert RowPlan().rows(ids, mask, t).picks is None
-    assert RowPlan((2, 4), attention_cost=1e-4).rows(ids, mask, t).ids.shape == (1, 30 + 12)
+    plan = RowPlan((2, 4), attention_cost=1e-4)
+    assert plan.rows(ids, mask, t).picks is None  # nothing chosen yet: padded
+    assert plan.choose(ids, mask, t) == 4 and plan.rows(ids, mask, t).ids.shape == (1, 30 + 12)
 
 
 def test_branch_rows_put_the_shared_prefix_once_and_each_rest_behind_it():

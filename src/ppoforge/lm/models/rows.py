@@ -7,18 +7,20 @@ and where those positions are:
 
 - `padded`: the rollout as it is, one row per sequence (TRL's layout): every copy of a prompt and every
   padding slot is computed.
-- `shared_prefix`: k completions of one prompt become ONE row `[prompt, c1, ..., ck]` with their real
-  tokens only. Each c_i's positions continue from the prompt's last one and its mask is tree-shaped (the
-  prompt causal; c_i sees the prompt and its own earlier tokens, never c_j), so every token's hidden
-  state is what it is in the sequence alone (fp32: to rounding). The prompt is computed once per unit
-  instead of k times, no padding is computed but the rows' tails, and in backward the prompt's
-  gradients are the sum over its k completions — autograd's own sum over the shared positions, exactly
-  the gradient of the k sequences computed apart. The position that predicts c_i's first token is the
-  prompt's last, which the k completions share.
+- `shared_prefix`: k consecutive sequences become ONE row `[prefix, rest_1, c_1, ..., rest_k, c_k]` of
+  real tokens. The prefix is the prompt tokens all k share: a GRPO group's whole prompt (rest_i empty),
+  the system header a chat template puts before every prompt of a PPO batch, or nothing (the unit is
+  then k sequences packed without padding). Every token keeps its position in its own sequence and the
+  mask is tree-shaped (the prefix causal; a branch rest_i + c_i sees the prefix and its own earlier
+  tokens, never another branch), so every token's hidden state is what it is in the sequence alone
+  (fp32: to rounding). The prefix is computed once per unit instead of k times, no padding is computed
+  but the rows' tails, and in backward the prefix's gradients are the sum over the k branches —
+  autograd's own sum over the shared positions, exactly the gradient of the k sequences computed apart.
 
-The price of one row per unit is attention over (prompt + k completions)^2 pairs, of which the tree
-mask uses fewer; `unit_size` picks the k that minimises linear work + attention work, among the sizes
-the caller allows (see `lm/rl/update.py`: a unit must never straddle a micro-batch).
+The price of one row per unit is attention over (prefix + k branches)^2 pairs, of which the tree mask
+uses fewer; `RowPlan.choose` picks, per rollout, the k that minimises linear work + attention work
+(`rows_work`, padding counted) among the sizes the caller allows (see `lm/rl/update.py`: a unit must never
+straddle a micro-batch or a rank's rows).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.runtime import distributed
 
 
 @dataclass(frozen=True)
@@ -61,51 +64,65 @@ def padded(ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> TokenRows:
     return TokenRows(ids, causal_mask(mask), position_ids(mask), n_resp)
 
 
-def shared_prefix(ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int) -> TokenRows:
-    """Runs of up to k consecutive rows with the same prompt, each run one row `[prompt, c1, ..., ck]`
-    of real tokens (module docstring), every row as long as the longest (its tail padding attends to
-    itself alone). A row's real response tokens must come first (right padding), as rollouts have them.
-    Built with a fixed number of tensor ops, whatever the batch size (no loop over rows)."""
-    device, (batch, width_in) = ids.device, ids.shape
-    n_prompt = width_in - n_resp
+def _sequences(ids: torch.Tensor, mask: torch.Tensor, n_resp: int):
+    """Each row's real tokens left-aligned, prompt then response: (B, W) ids (-1 after them), and (B,) the
+    real prompt and response lengths p and n. They are contiguous in the row (left-padded prompt, response
+    padded on the right), from column P - p to P + n."""
+    width = ids.shape[1]
     real = mask.bool()
+    p, n = real[:, :width - n_resp].sum(1), real[:, width - n_resp:].sum(1)
+    j = torch.arange(width, device=ids.device)
+    col = (width - n_resp - p)[:, None] + j
+    return torch.where(j < (p + n)[:, None], ids.gather(1, col.clamp(max=width - 1)), -1), p, n
+
+
+def _prefixes(seq: torch.Tensor, p: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) the prompt tokens each row shares with every row of its unit (aligned blocks of k rows): the
+    longest prefix of prompt tokens the unit's rows have in common."""
+    row = torch.arange(seq.shape[0], device=seq.device)
+    unit, first = row // k, row // k * k
+    j = torch.arange(seq.shape[1], device=seq.device)
+    same = (seq == seq[first]) & (j < torch.minimum(p, p[first])[:, None])
+    common = same.long().cumprod(1).sum(1)  # (B,) with the unit's first row
+    shared = torch.full((int(unit[-1]) + 1,), seq.shape[1], dtype=torch.long, device=seq.device)
+    return shared.scatter_reduce(0, unit, common, "amin")[unit]
+
+
+def shared_prefix(ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int) -> TokenRows:
+    """Each unit of k consecutive rows as one row `[prefix, rest_1, c1, ..., rest_k, ck]` of real tokens
+    (module docstring): the prefix is the prompt tokens all k share (a GRPO group's whole prompt, a chat
+    template's system header, or nothing: then the unit is k sequences packed without padding), rest_i the
+    rest of row i's prompt. Every row as long as the longest (its tail padding attends to itself alone). A
+    row's real response tokens must come first (right padding), as rollouts have them. Built with a fixed
+    number of tensor ops, whatever the batch size (no loop over rows)."""
+    device, batch = ids.device, ids.shape[0]
+    seq, p, n = _sequences(ids, mask, n_resp)
+    s = _prefixes(seq, p, k)  # (B,) the unit's shared prefix, per row
     row = torch.arange(batch, device=device)
-    # units: a new one where the prompt changes or a run reaches k rows
-    prompt = torch.where(real[:, :n_prompt], ids[:, :n_prompt], -1)
-    new_run = torch.ones(batch, dtype=torch.bool, device=device)
-    new_run[1:] = (prompt[1:] != prompt[:-1]).any(1)
-    run_start = torch.where(new_run, row, 0).cummax(0).values
-    starts = new_run | ((row - run_start) % k == 0)
-    unit = starts.long().cumsum(0) - 1  # (B,) each row's unit
-    first = torch.where(starts, row, 0).cummax(0).values  # (B,) the unit's first row
-    member = row - first  # (B,) j: the row is c_{j+1} of its unit
-    p = real[:, :n_prompt].sum(1)  # (B,) real prompt tokens
-    n = real[:, n_prompt:].sum(1)  # (B,) real response tokens, first in the response
-    before = n.cumsum(0) - n  # exclusive cumsum of the lengths ...
-    start = p + before - before[first]  # ... within the unit: where each completion begins in its row
-    length = start + n  # (B,) the unit's row up to this completion's end
-    width = int(length.max())
+    unit, first = row // k, row // k * k
+    member = row - first  # (B,) j: the row's branch is the (j + 1)-th of its unit
+    rest = p + n - s  # (B,) the branch: the prompt's rest, then the response
+    before = rest.cumsum(0) - rest  # exclusive cumsum of the branches ...
+    start = s + before - before[first]  # ... within the unit: where each branch begins in its row
+    width = int((start + rest).max())
     n_units = int(unit[-1]) + 1
     flat_ids = torch.zeros(n_units * width, dtype=torch.long, device=device)
-    branch = torch.full((n_units * width,), -1, dtype=torch.long, device=device)  # -1 pad, 0 prompt, j+1: c_j
+    branch = torch.full((n_units * width,), -1, dtype=torch.long, device=device)  # -1 pad, 0 prefix, j+1: branch j
     positions = torch.zeros(n_units * width, dtype=torch.long, device=device)
-    # the prompt's real tokens (left-padded: the last p of the P columns), from each unit's first row
-    col = torch.arange(n_prompt, device=device)
-    slot = col - (n_prompt - p)[:, None]  # (B, P) its slot in the row (< 0 for padding)
-    take = real[:, :n_prompt] & starts[:, None]
+    # a token's position is its place in its own sequence: the prefix's from the unit's first row, every
+    # row's later tokens in its branch
+    j = torch.arange(seq.shape[1], device=device).expand(batch, -1)
+    slot = torch.where(j < s[:, None], j, start[:, None] + j - s[:, None])  # (B, W) in the unit's row
+    take = (j < (p + n)[:, None]) & ((j >= s[:, None]) | (member == 0)[:, None])
     dest = (unit[:, None] * width + slot)[take]
-    flat_ids[dest], branch[dest], positions[dest] = ids[:, :n_prompt][take], 0, slot[take]
-    # each completion's real tokens after the ones before it in its unit, positions continuing the prompt's
+    flat_ids[dest], positions[dest] = seq[take], j[take]
+    branch[dest] = torch.where(j < s[:, None], 0, member[:, None] + 1)[take]
+    # response token t is predicted by the token before it in the sequence (the prompt's last for t = 0);
+    # padding picks the last real one (any finite state: it is masked out)
     t = torch.arange(n_resp, device=device)
-    take = t < n[:, None]  # (B, T)
-    dest = (unit[:, None] * width + start[:, None] + t)[take]
-    flat_ids[dest] = ids[:, n_prompt:][take]
-    branch[dest] = (member[:, None] + 1).expand(-1, n_resp)[take]
-    positions[dest] = (p[:, None] + t).expand(batch, -1)[take]
-    # token t is predicted by the position before it: the prompt's last for t = 0; padding picks the
-    # last real one (any finite state: it is masked out)
-    before_t = torch.where(t == 0, p[:, None] - 1, start[:, None] + torch.minimum(t, n[:, None]) - 1)
-    picks = unit[:, None] * width + before_t
+    before_t = p[:, None] + torch.minimum(t, n[:, None]) - 1
+    picks = unit[:, None] * width + torch.where(before_t < s[:, None], before_t,
+                                                start[:, None] + before_t - s[:, None])
     return TokenRows(flat_ids.view(n_units, width), tree_mask(branch.view(n_units, width)),
                      positions.view(n_units, width), n_resp, picks)
 
@@ -121,21 +138,20 @@ def tree_mask(branch: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
-def unit_size(mask: torch.Tensor, n_resp: int, allowed: list[int], attention_cost: float) -> int:
-    """The k of `allowed` (sizes that tile the rollout's groups) that minimises the forward's estimated
-    work, per sequence: (prompt + k * completion) tokens of linear work plus `attention_cost` per query-key
-    pair of one (prompt + k * completion)^2 row, from the rollout's mean real prompt and completion lengths;
-    1 (no sharing) when nothing is allowed."""
-    if not allowed:
-        return 1
-    n_prompt = mask.shape[1] - n_resp
-    p, t = float(mask[:, :n_prompt].sum(1).float().mean()), float(mask[:, n_prompt:].sum(1).float().mean())
-
-    def work(k: int) -> float:
-        length = p + k * t
-        return (length + attention_cost * length * length) / k
-
-    return min([1, *allowed], key=work)
+def rows_work(ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int, attention_cost: float) -> float:
+    """The estimated work of a forward over a rollout laid out in units of k (1: padded rows), in linear
+    work per token: rows x (width + `attention_cost` x width^2), every row as wide as the longest — the
+    padding is computed too."""
+    if k == 1:
+        rows, width = ids.shape
+    else:
+        seq, p, n = _sequences(ids, mask, n_resp)
+        s = _prefixes(seq, p, k)
+        lengths = torch.zeros((ids.shape[0] + k - 1) // k, dtype=torch.long, device=ids.device)
+        lengths.index_add_(0, torch.arange(ids.shape[0], device=ids.device) // k, p + n - s)
+        lengths += s[::k]  # each unit: its prefix once, then every branch
+        rows, width = lengths.numel(), int(lengths.max())
+    return rows * (width + attention_cost * width * width)
 
 
 SOFTMAX_COST = 150  # matmul FLOPs one score element's scale + mask + softmax costs (memory-bound; 90-180 measured)
@@ -169,21 +185,30 @@ def unit_order(order: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class RowPlan:
-    """How a run lays out its rollouts: `shared_prefix` units of a size in `sizes` (sizes that tile the
-    micro-batches: see RLHFConfig.prefix_units), the one `unit_size` picks for each rollout, or `padded`
-    when no size is allowed or none pays."""
+    """How a run lays out its rollouts: in `shared_prefix` units of a size in `sizes` (sizes that tile the
+    micro-batches and the ranks' rows: see RLHFConfig.prefix_sizes), or `padded` (k = 1) when no size is
+    allowed or none pays. `choose` picks k once per rollout; every forward over it then runs `rows`."""
 
     def __init__(self, sizes: tuple[int, ...] = (), attention_cost: float = 0.0):
         self.sizes, self.attention_cost = list(sizes), attention_cost
+        self.k = 1  # the current rollout's unit size
 
-    def unit(self, mask: torch.Tensor, n_resp: int) -> int:
-        """The unit size for a rollout with this (B, P + T) mask: 1 is the padded layout."""
-        return unit_size(mask, n_resp, self.sizes, self.attention_cost)
+    def choose(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> int:
+        """The unit size of the rollout (B, P + T) whose rows cost least (`rows_work`), summed over every
+        rank's rows under torchrun (a collective): every rank and every forward lays the rollout out alike."""
+        if not self.sizes:
+            return self.k
+        sizes = [1, *self.sizes]
+        work = torch.tensor([rows_work(ids, mask, n_resp, k, self.attention_cost) for k in sizes],
+                            dtype=torch.float64, device=ids.device)
+        if distributed.collectives():
+            work = distributed.all_sum(work)
+        self.k = sizes[int(work.argmin())]
+        return self.k
 
-    def rows(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int, k: int | None = None) -> TokenRows:
-        """The rows of a rollout (k None: its own unit size) or of rows taken from one (that rollout's k)."""
-        k = self.unit(mask, n_resp) if k is None else k
-        return padded(ids, mask, n_resp) if k == 1 else shared_prefix(ids, mask, n_resp, k)
+    def rows(self, ids: torch.Tensor, mask: torch.Tensor, n_resp: int) -> TokenRows:
+        """The rows of the rollout, or of rows taken from it in whole units, in its unit size."""
+        return padded(ids, mask, n_resp) if self.k == 1 else shared_prefix(ids, mask, n_resp, self.k)
 
 
 @dataclass(frozen=True)

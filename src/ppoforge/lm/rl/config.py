@@ -107,9 +107,10 @@ class RLHFConfig(FaultConfig):
     num_generations: int = param(1, "completions sampled per prompt (G): a rollout is batch_size x G responses, "
                                  "each prompt's G in a row", lo=1, hi=65536)
     shared_prefix: str = param("auto", "a prompt's G completions decode from one prefill of it, and forwards over "
-                               "a rollout run up to G of them as one row [prompt, c1, ..., ck] of real tokens "
-                               "(lm/models/rows.py), where the estimated work is lower; off: every completion "
-                               "its own prefill and padded row, TRL's", choices=("auto", "off"), resume=True)
+                               "a rollout run k consecutive sequences as one row of real tokens, the prompt "
+                               "tokens they share (a group's prompt, a chat template's system header) once "
+                               "(lm/models/rows.py), where the estimated work is lower; off: every sequence its "
+                               "own prefill and padded row, TRL's", choices=("auto", "off"), resume=True)
     scale_rewards: str = param("auto", "grpo: divide advantages by each group's reward std (group), the batch's "
                                "(batch) or not at all (none: Dr. GRPO); rloo: whiten the advantages over the batch "
                                "(batch: TRL's normalize_advantages) or not (none); auto: group for grpo (batch when "
@@ -233,13 +234,14 @@ class RLHFConfig(FaultConfig):
         return (self.old_logprobs == "auto" and not self.has_critic and self.ppo_epochs == 1
                 and self.mini_batch_size == self.rollout_size and (self.kl_in == "loss" or self.kl_coef == 0))
 
-    def prefix_sizes(self, slices: int = 1) -> tuple[int, ...]:
-        """The shared-prefix unit sizes k >= 2 that tile every micro-batch with whole groups' parts: k divides
-        num_generations, micro_batch_size and each of a mini-batch's `slices` (FSDP: one per rank); none
-        with shared_prefix off or one completion per prompt."""
+    def prefix_sizes(self, world: int = 1, sharded: bool = False) -> tuple[int, ...]:
+        """The shared-prefix unit sizes k >= 2 whose units (k consecutive rows of the rollout) tile every
+        micro-batch and every rank's part: k divides micro_batch_size, and each of `world` ranks' rows of
+        the rollout (its collect) and, `sharded` (FSDP), of each mini-batch; none with shared_prefix off."""
         if self.shared_prefix == "off":
             return ()
-        tile = math.gcd(self.num_generations, self.micro_batch_size, self.mini_batch_size // slices)
+        tile = math.gcd(self.micro_batch_size, self.rollout_size // world,
+                        self.mini_batch_size // world if sharded else self.mini_batch_size)
         return tuple(k for k in range(2, tile + 1) if tile % k == 0)
 
     @property

@@ -106,9 +106,9 @@ class RLHFTrainer:
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
                        else FixedKLController(cfg.kl_coef))
         # the rows every forward over a rollout runs: a prompt's completions as shared-prefix units, or padded
-        plan = RowPlan(cfg.prefix_sizes(self.world.size if self.sharded else 1),
-                       attention_cost(self.layout.policy_model.config))
-        self.passes = self._passes(plan)
+        self.plan = RowPlan(cfg.prefix_sizes(self.world.size, self.sharded),
+                            attention_cost(self.layout.policy_model.config))
+        self.passes = self._passes(self.plan)
         self.collector = collector_for(cfg, self.inputs)  # single-turn sampling, or episodes with an env
         self.rounds = rounds_for(cfg, self.tokenizer.pad_token_id, self.world.size)  # one, or dynamic sampling
         self.heldout = Heldout(cfg, self.inputs, self.collector)
@@ -126,7 +126,7 @@ class RLHFTrainer:
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
         self.ppo = PPOUpdate(cfg, self.layout, self.precision, self.params, self.guard, self.gen, self.my_rows,
-                             on_step=self._mark_optimizing, plan=plan)
+                             on_step=self._mark_optimizing, plan=self.plan)
 
     def _passes(self, plan: RowPlan) -> RolloutPasses:
         """The rollout's no-grad passes; with `cfg.on_policy` (one optimizer step per rollout) the update's
@@ -272,6 +272,7 @@ class RLHFTrainer:
         (from the sampler where that is exact: see `lm/rl/passes.py`); values None without a critic,
         reference log-probs None without a KL term."""
         samples, mask = batch.samples, batch.mask
+        self.plan.choose(batch.ids, mask, samples.response_ids.shape[1])  # every forward's rows from here on
         with self.precision.autocast():
             logp, values, ref_logp = self.passes(batch.ids, mask, samples)
         self.layout.release()  # sharded: the LM heads these no-grad passes left gathered

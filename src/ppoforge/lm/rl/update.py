@@ -47,7 +47,7 @@ class PPOUpdate:
         self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens * cfg.max_turns)
         self.policy_loss = POLICY_LOSSES[cfg.policy_loss]  # ppo, gspo or cispo (core/policy_losses.py)
         self.micro_batch = cfg.micro_batch_size  # halved on out-of-memory
-        self.unit = 1  # the last update's shared-prefix unit size (1: padded rows)
+        self.unit = 1  # the last update's shared-prefix unit size (1: padded rows), perf/shared_prefix_unit
 
     def __call__(self, b: Rollout, optimizer: torch.optim.Optimizer, beta: float) -> dict[str, torch.Tensor]:
         """ppo_epochs x shuffled mini-batches x accumulated micro-batches; loss-unit-weighted loss stats,
@@ -55,13 +55,12 @@ class PPOUpdate:
         counts it)."""
         cfg, keys = self.cfg, self.loss_keys + self.token_keys
         totals, n_mini = torch.zeros(1 + len(keys), device=b.resp.device), 0
-        k = self.plan.unit(b.mask, b.resp.shape[1])  # the layout the scoring passes had: old log-probs match
-        self.unit = k  # reported as perf/shared_prefix_unit
+        k = self.unit = self.plan.k  # the rollout's, as the scoring passes ran it: old log-probs match
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(cfg.rollout_size, generator=self.gen, device=self.gen.device).to(b.resp.device)
             for mb in unit_order(order, k).split(cfg.mini_batch_size):  # whole units in every micro-batch
                 mb = self._own_rows(mb)
-                sums = self._mini_batch_gradients(b, mb, optimizer, beta, k)  # (total loss, *stats in `keys` order)
+                sums = self._mini_batch_gradients(b, mb, optimizer, beta)  # (total loss, *stats in `keys` order)
                 # one all-reduce per step (sharded: of the stats alone, FSDP reduced the gradients in backward)
                 sums = (distributed.all_sum(sums) if self.sharded else
                         distributed.all_reduce_grads(self.params, sums))
@@ -82,8 +81,8 @@ class PPOUpdate:
             return mb.tensor_split(self.world.size)[self.world.rank]
         return mb[(mb >= self.my_rows.start) & (mb < self.my_rows.stop)] - self.my_rows.start
 
-    def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor, optimizer: torch.optim.Optimizer, beta: float,
-                              k: int) -> torch.Tensor:
+    def _mini_batch_gradients(self, b: Rollout, mb: torch.Tensor, optimizer: torch.optim.Optimizer,
+                              beta: float) -> torch.Tensor:
         """The mini-batch's gradients in .grad, accumulated over micro-batches of `micro_batch` rows (halved
         and redone on out-of-memory: the shares keep the sum the same); its weighted loss and stats. The
         loss's normalizer (the mini-batch's tokens or sequences, `loss_agg`) is counted once, here."""
@@ -97,18 +96,18 @@ class PPOUpdate:
             if mb.numel() == 0:  # this rank holds none of the mini-batch's rows: its gradient is 0
                 return b.resp_mask.new_zeros(1 + len(self.loss_keys) + len(self.token_keys))
             with self.precision.weight_cache():
-                return sum(self._micro_batch(b, micro, mb_units, mb_tokens, beta, k) for micro in mb.split(n))
+                return sum(self._micro_batch(b, micro, mb_units, mb_tokens, beta) for micro in mb.split(n))
 
         totals, self.micro_batch = retry_halving(attempt, self.micro_batch, "micro-batch", retry=not self.sharded)
         return totals
 
     def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_units: torch.Tensor, mb_tokens: torch.Tensor,
-                     beta: float, k: int) -> torch.Tensor:
+                     beta: float) -> torch.Tensor:
         """Forward/backward of rows `micro`, its loss weighted by its share of the mini-batch's loss units;
         (its weighted total loss, its weighted stats)."""
         cfg, n_resp, m, reduce = self.cfg, b.resp.shape[1], b.resp_mask[micro], self.agg.reduce
         with self.precision.autocast():
-            hidden, values = self.layout.forward(self.plan.rows(b.ids[micro], b.mask[micro], n_resp, k))
+            hidden, values = self.layout.forward(self.plan.rows(b.ids[micro], b.mask[micro], n_resp))
             logits = self.layout.logits(hidden)
         with self.precision.full_precision():
             logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
