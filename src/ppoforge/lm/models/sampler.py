@@ -92,7 +92,7 @@ def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator
 
 @torch.inference_mode()
 def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None, repeats: int = 1
+           generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None, share_prefill: bool = False
            ) -> Samples:
     """Sample up to max_new_tokens per left-padded prompt (B, P); stops early once every row has stopped.
 
@@ -100,12 +100,13 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     it under the caller's autocast. A row that stopped keeps sampling (its tokens are fed back and then
     discarded), so the loop body stays a handful of ops; masks and padding are applied once at the end.
     `uniforms` (max_new_tokens, B), from `draw_uniforms`, replaces drawing them from `generator`.
-    `repeats`: the rows come in runs of this many copies of one prompt (GRPO's completions); where they
-    do, each prompt is prefilled once and its KV cache repeated (`Decoder.repeat`).
+    `share_prefill`: where the rows come in runs of n > 1 copies of one prompt (GRPO's completions, a
+    held-out prompt's samples), each prompt is prefilled once and its KV cache repeated (`Decoder.repeat`).
     """
     decoder = decoder_for(model) if isinstance(model, nn.Module) else model
     batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
-    if repeats > 1 and _in_runs(prompt_ids, prompt_mask, repeats):
+    repeats = run_length(prompt_ids, prompt_mask) if share_prefill else 1
+    if repeats > 1:
         logits, hidden = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], n_new)
         decoder.repeat(repeats)
         logits, hidden = (None if x is None else x.repeat_interleave(repeats, 0) for x in (logits, hidden))
@@ -135,11 +136,12 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
                    None if hiddens is None else hiddens[:, :t + 1])
 
 
-def _in_runs(ids: torch.Tensor, mask: torch.Tensor, n: int) -> bool:
-    """Do the rows come in runs of n equal rows (ids and mask)?"""
-    if ids.shape[0] % n:
-        return False
-    return all(bool((x.view(-1, n, x.shape[1]) == x[::n, None]).all()) for x in (ids, mask))
+def run_length(ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """n when the rows come in runs of n equal rows (ids and mask), every run as long; else 1."""
+    same = (ids[1:] == ids[:-1]).all(1) & (mask[1:] == mask[:-1]).all(1)  # (B - 1,) row i + 1 repeats row i
+    starts = torch.cat([same.new_ones(1), ~same]).nonzero().flatten()
+    lengths = torch.diff(starts, append=starts.new_full((1,), ids.shape[0]))
+    return int(lengths[0]) if bool((lengths == lengths[0]).all()) else 1
 
 
 def concat_samples(parts: list[Samples], pad_id: int) -> Samples:

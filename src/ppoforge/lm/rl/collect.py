@@ -115,9 +115,12 @@ class SingleTurn:
     def __init__(self, cfg: RLHFConfig, inputs: RunInputs):
         self.cfg, self.inputs, self.layout, self.precision = cfg, inputs, inputs.layout, inputs.precision
         self.sampling = _sampling(cfg, inputs)
-        self.gen_batch = cfg.rollout_size  # halved on out-of-memory
-        # each prompt's G rows come in a row: prefilled once (shared_prefix off: once per row, as TRL does)
-        self.repeats = cfg.num_generations if cfg.shared_prefix == "auto" else 1
+        # the most rows sampled at once: a rollout, or a held-out batch (its prompts' samples); halved on
+        # out-of-memory
+        self.gen_batch = max(cfg.rollout_size, cfg.batch_size * cfg.heldout_samples)
+        # a prompt's rows come in a row (G completions, held-out samples): prefilled once (shared_prefix off:
+        # once per row, as TRL does)
+        self.share_prefill = cfg.shared_prefix == "auto"
 
     def seeds(self, n: int, generator: torch.Generator) -> list[int]:
         return [0] * n  # no environment: nothing drawn
@@ -133,7 +136,7 @@ class SingleTurn:
         with self.layout.decoder() as decoder, self.precision.autocast():
             parts, self.gen_batch = retry_halving(
                 lambda n: [sample(decoder, prompt_ids[s:s + n], prompt_mask[s:s + n], self.sampling,
-                                  uniforms=uniforms[:, s:s + n], repeats=self.repeats)
+                                  uniforms=uniforms[:, s:s + n], share_prefill=self.share_prefill)
                            for s in range(0, prompt_ids.shape[0], n)],
                 self.gen_batch, "generation batch")
         samples = concat_samples(parts, self.sampling.pad_id)

@@ -4,7 +4,8 @@ after training (`eval/scores`, the `heldout` rows of completions.jsonl).
 It draws from its own generator, seeded `seed + 1` at every evaluation, so training's RNG stream is
 untouched and every evaluation sees the same draws; with an environment, held-out prompt i always plays
 environment seed (seed, 1, i): the same games each time. The (prompt, sample) pairs are batched like
-training rollouts, each batch split over the ranks (`uneven_shard`) and gathered.
+training rollouts (batch_size prompts, each `heldout_samples` times in a row, as a GRPO rollout has its G),
+each batch split over the ranks (`uneven_shard`) and gathered.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class Heldout:
         if not self.rows:
             return None
         gen = torch.Generator(self.device).manual_seed(self.cfg.seed + 1)
-        k, bs = self.cfg.heldout_samples, self.cfg.batch_size
-        # each prompt k times in a row: (prompt, sample) pairs, batched like training rollouts
+        k = self.cfg.heldout_samples
+        bs = self.cfg.batch_size * k  # batch_size prompts, each k times in a row: one prefill each
         pairs = [(i, j) for i in range(len(self.rows)) for j in range(k)]
         table = []
         for s in range(0, len(pairs), bs):
