@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/learning_vs_trl.py                      # 480 s of training each side
     .venv/bin/python benchmarks/learning_vs_trl.py --budget-s 120 --every-s 40 --heldout 16   # a quick look
+    .venv/bin/python benchmarks/learning_vs_trl.py --max-updates 8 --every-updates 2 --seeds 1,2,3  # per update
 
 What runs (one after the other, on this machine, each for the same training wall-clock budget):
 - the task (learning_task.py): the real SmolLM2-135M-Instruct, reasoning-gym chain_sum as the arithmetic
@@ -22,7 +23,9 @@ What runs (one after the other, on this machine, each for the same training wall
 Output under --out: learning_vs_trl.json (every point, both runs' settings and versions, the machine's
 other load during each run), learning_vs_trl.png (accuracy against training seconds, error bars) and a
 markdown table on stdout. The summary line compares TRL's final accuracy with the first ppoforge
-snapshot that reaches it.
+snapshot that reaches it. `--max-updates N --every-updates K` instead trains each side N updates with a
+snapshot every K and compares accuracy per update (learning_vs_trl_per_update.*), over `--seeds`: the
+question behind seconds — does one update of each side move held-out accuracy alike?
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4, help="completions scored per held-out problem")
     p.add_argument("--digits", type=int, default=1, help="operand digits (2: the harder variant)")
     p.add_argument("--seed", type=int, default=0, help="both trainers' seed")
+    p.add_argument("--seeds", default=None, help="comma list of seeds, one run of each side per seed (default: --seed)")
+    p.add_argument("--max-updates", type=int, default=None, help="each side stops after this many updates too")
+    p.add_argument("--every-updates", type=int, default=None,
+                   help="a snapshot every this many updates instead of --every-s; compares accuracy per update")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ppoforge-precision", default="auto", choices=["fp32", "bf16", "auto"])
     p.add_argument("--ppoforge-batch", type=int, default=None,
@@ -154,38 +161,70 @@ def reach(points: list[dict], target: float) -> dict | None:
     return next((p for p in points if p["accuracy"] >= target), None)
 
 
-def summary(sides: dict) -> list[str]:
-    lines = ["| side | training s | updates | held-out exact | 95 % interval |", "|---|---|---|---|---|"]
-    for name, side in sides.items():
-        for p in side["points"]:
-            lines.append(f"| {name} | {p['train_s']:.0f} | {p['updates']} | {p['accuracy']:.1%} "
-                         f"({p['exact']}/{p['n']}) | [{p['lo']:.1%}, {p['hi']:.1%}] |")
-    if {"ppoforge", "trl"} <= sides.keys():
-        trl_end, ours = sides["trl"]["points"][-1], sides["ppoforge"]["points"]
-        hit = reach(ours[1:], trl_end["accuracy"])
-        if hit is None:
-            lines.append(f"\nppoforge never reached TRL's final {trl_end['accuracy']:.1%} "
-                         f"(its best {max(p['accuracy'] for p in ours):.1%}).")
-        else:
-            lines.append(f"\nppoforge reached TRL's final {trl_end['accuracy']:.1%} (at {trl_end['train_s']:.0f} s) "
-                         f"after {hit['train_s']:.0f} s: {hit['train_s'] / trl_end['train_s']:.2f} of TRL's time; "
-                         f"final {ours[-1]['accuracy']:.1%} vs {trl_end['accuracy']:.1%}.")
+def summary(runs: dict, x: str) -> list[str]:
+    """The table of every run's points (`runs`: seed -> side -> run), TRL's final accuracy against the
+    first ppoforge point that reaches it, and with several seeds the mean per `x` (updates or seconds)."""
+    lines = ["| seed | side | training s | updates | held-out exact | 95 % interval |", "|---|---|---|---|---|---|"]
+    for seed, sides in runs.items():
+        for name, side in sides.items():
+            for p in side["points"]:
+                lines.append(f"| {seed} | {name} | {p['train_s']:.0f} | {p['updates']} | {p['accuracy']:.1%} "
+                             f"({p['exact']}/{p['n']}) | [{p['lo']:.1%}, {p['hi']:.1%}] |")
+    for seed, sides in runs.items():
+        if {"ppoforge", "trl"} <= sides.keys():
+            trl_end, ours = sides["trl"]["points"][-1], sides["ppoforge"]["points"]
+            hit = reach(ours[1:], trl_end["accuracy"])
+            if hit is None:
+                lines.append(f"\nseed {seed}: ppoforge never reached TRL's final {trl_end['accuracy']:.1%} "
+                             f"(its best {max(p['accuracy'] for p in ours):.1%}).")
+            else:
+                lines.append(f"\nseed {seed}: ppoforge reached TRL's final {trl_end['accuracy']:.1%} (at "
+                             f"{trl_end['train_s']:.0f} s, {trl_end['updates']} updates) after {hit['train_s']:.0f} s, "
+                             f"{hit['updates']} updates: {hit['train_s'] / trl_end['train_s']:.2f} of TRL's time; "
+                             f"final {ours[-1]['accuracy']:.1%} vs {trl_end['accuracy']:.1%}.")
+    if len(runs) > 1:
+        lines += ["", f"| side | {x} | mean held-out exact over seeds | lowest | highest |", "|---|---|---|---|---|"]
+        for name, curve in mean_curves(runs, x).items():
+            lines += [f"| {name} | {at:g} | {mean:.1%} | {lo:.1%} | {hi:.1%} |" for at, mean, lo, hi in curve]
     return lines
 
 
-def plot(sides: dict, path: Path, title: str) -> None:
+def mean_curves(runs: dict, x: str) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per side: (x, mean, lowest, highest accuracy over the seeds) at each x every seed has a point at."""
+    out = {}
+    for name in next(iter(runs.values())):
+        by_x: dict[float, list[float]] = {}
+        for sides in runs.values():
+            for p in sides[name]["points"]:
+                by_x.setdefault(p[x], []).append(p["accuracy"])
+        out[name] = [(at, sum(v) / len(v), min(v), max(v)) for at, v in sorted(by_x.items()) if len(v) == len(runs)]
+    return out
+
+
+def plot(runs: dict, path: Path, title: str, x: str) -> None:
+    """Held-out accuracy against `x` (train_s or updates): each run with its error bars; with several seeds
+    also their mean per x, bold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for side, colour in zip(sides.values(), ("tab:blue", "tab:orange"), strict=False):
-        pts = side["points"]
-        x, y = [p["train_s"] for p in pts], [100 * p["accuracy"] for p in pts]
-        err = [[100 * (p["accuracy"] - p["lo"]) for p in pts], [100 * (p["hi"] - p["accuracy"]) for p in pts]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colour, label=side["label"])
-    ax.set_xlabel("training wall time (s)")
+    colours = dict(zip(next(iter(runs.values())), ("tab:blue", "tab:orange"), strict=False))
+    several = len(runs) > 1
+    for sides in runs.values():
+        for name, side in sides.items():
+            pts = side["points"]
+            xs, y = [p[x] for p in pts], [100 * p["accuracy"] for p in pts]
+            err = [[100 * (p["accuracy"] - p["lo"]) for p in pts], [100 * (p["hi"] - p["accuracy"]) for p in pts]]
+            ax.errorbar(xs, y, yerr=err, marker="o", capsize=3, color=colours[name], alpha=0.35 if several else 1,
+                        lw=1 if several else 1.5, label=None if several else side["label"])
+    if several:
+        for name, curve in mean_curves(runs, x).items():
+            label = next(iter(runs.values()))[name]["label"] + f", mean of {len(runs)} seeds"
+            ax.plot([c[0] for c in curve], [100 * c[1] for c in curve], marker="s", lw=2.5, color=colours[name],
+                    label=label)
+    ax.set_xlabel("training wall time (s)" if x == "train_s" else "updates (optimizer steps)")
     ax.set_ylabel("held-out exact answers (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
@@ -195,10 +234,13 @@ def plot(sides: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path) -> dict:
+def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path, seed: int) -> dict:
     """Run one side's worker for the budget; its settings, the machine's load and its snapshots."""
+    out = work / f"seed{seed}" / name
     common = ["--task-dir", str(work / "task"), "--budget-s", str(args.budget_s), "--every-s", str(args.every_s),
-              "--seed", str(args.seed), "--threads", str(args.threads), "--out", str(work / name)]
+              "--seed", str(seed), "--threads", str(args.threads), "--out", str(out),
+              *(["--max-updates", str(args.max_updates)] if args.max_updates else []),
+              *(["--every-updates", str(args.every_updates)] if args.every_updates else [])]
     if name == "ppoforge":
         cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
                "--precision", args.ppoforge_precision,
@@ -206,14 +248,15 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path)
     else:
         cmd = [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
                "--model-dir", str(model_dir), "--precision", args.trl_precision]
-    print(f"[run] {name}: {args.budget_s:.0f} s of training", flush=True)
-    load = run(cmd, args, work / f"{name}.log")
-    info = json.loads((work / name / "run.json").read_text())
+    print(f"[run] {name}, seed {seed}: {args.budget_s:.0f} s of training"
+          + (f" or {args.max_updates} updates" if args.max_updates else ""), flush=True)
+    load = run(cmd, args, out.with_suffix(".log"))
+    info = json.loads((out / "run.json").read_text())
     label = (f"ppoforge {info['version']} ({info['resolved_precision']}, "
              f"{info['settings']['batch_size']} prompts/update)" if name == "ppoforge"
              else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
-    return {"label": label, "run": info, "load": load,
-            "snapshots": learning_task.read_rows(work / name / "snapshots.jsonl")}
+    return {"label": label, "run": info, "load": load, "dir": str(out),
+            "snapshots": learning_task.read_rows(out / "snapshots.jsonl")}
 
 
 def main() -> None:
@@ -223,19 +266,21 @@ def main() -> None:
     model_dir = ensure_cached()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     if args.score_only:
         work = Path(args.score_only)
         task = json.loads((work / "task" / "task.json").read_text())
-        sides = json.loads((work / "sides.json").read_text())
+        runs = json.loads((work / "runs.json").read_text())
     else:
         work = Path(tempfile.mkdtemp(prefix="learning-vs-trl-"))
-        task, sides = learning_task.build(work / "task", heldout=args.heldout, digits=args.digits), {}
+        task, runs = learning_task.build(work / "task", heldout=args.heldout, digits=args.digits), {}
         print(f"[task] {task['train_rows']} training rows ({task['distinct_train_problems']} distinct problems, "
               f"{task['left_out']} left out as held out), {task['heldout_rows']} held-out problems; work dir {work}",
               flush=True)
-        for name in args.sides.split(","):
-            sides[name] = train_side(name, args, work, model_dir)
-            (work / "sides.json").write_text(json.dumps(sides, indent=1))
+        for seed in seeds:
+            for name in args.sides.split(","):
+                runs.setdefault(str(seed), {})[name] = train_side(name, args, work, model_dir, seed)
+                (work / "runs.json").write_text(json.dumps(runs, indent=1))
     print("[eval] scoring the untrained model and every snapshot", flush=True)
     import torch
 
@@ -243,19 +288,22 @@ def main() -> None:
     evaluator = Evaluator(model_dir, learning_task.read_rows(work / "task" / "heldout.jsonl"), args.samples,
                           seed=1234)
     start = {"train_s": 0.0, "updates": 0, **evaluator.score(None)}
-    for name, side in sides.items():
-        side["points"] = [start] + [{"train_s": s["train_s"], "updates": s["updates"], "train_score": s["score"],
-                                     **evaluator.score(work / name / f"snap_{s['snapshot']}.safetensors")}
-                                    for s in side["snapshots"]]
-    lines = summary(sides)
+    for sides in runs.values():
+        for side in sides.values():
+            side["points"] = [start] + [{"train_s": s["train_s"], "updates": s["updates"], "train_score": s["score"],
+                                         **evaluator.score(Path(side["dir"]) / f"snap_{s['snapshot']}.safetensors")}
+                                        for s in side["snapshots"]]
+    x = "updates" if args.every_updates else "train_s"
+    lines = summary(runs, x)
     print("\n".join(lines))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
     title = (f"SmolLM2-135M-Instruct, chain_sum {task['digits']}-digit, GRPO G=8, LoRA r16; {task['heldout_rows']} "
              f"held-out x {args.samples}\n{cpu}, {args.threads} threads")
-    stem = out / ("learning_vs_trl" if task["digits"] == 1 else f"learning_vs_trl_{task['digits']}digit")
-    plot(sides, stem.with_suffix(".png"), title)
-    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "task": task, "cpu": cpu, "sides": sides,
+    stem = out / ("learning_vs_trl" + ("" if task["digits"] == 1 else f"_{task['digits']}digit")
+                  + ("_per_update" if x == "updates" else ""))
+    plot(runs, stem.with_suffix(".png"), title, x)
+    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "task": task, "cpu": cpu, "runs": runs,
                                                      "table": lines}, indent=1))
     print(f"[out] {stem}.json, {stem}.png")
 

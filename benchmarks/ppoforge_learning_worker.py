@@ -7,10 +7,11 @@ step per rollout), with the task folder's training rows as prompts and `learning
 the reward; no held-out pass inside the run (learning_vs_trl.py scores the snapshots afterwards, with the
 same code for both sides).
 
-The clock: updates run until their summed wall time reaches `--budget-s` (model loading before the first
-update is not counted; neither is saving a snapshot). After the first update past each `--every-s` mark,
-and after the last, the policy's adapter weights go to `snap_K.safetensors` (peft's own state-dict names)
-and one line {"snapshot", "train_s", "updates", "score"} to snapshots.jsonl.
+The clock: updates run until their summed wall time reaches `--budget-s` or `--max-updates` have run (model
+loading before the first update is not counted; neither is saving a snapshot). After the first update past
+each `--every-s` mark (or every `--every-updates` updates), and after the last, the policy's adapter
+weights go to `snap_K.safetensors` (peft's own state-dict names) and one line {"snapshot", "train_s",
+"updates", "score"} to snapshots.jsonl.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder for the snapshots")
     p.add_argument("--budget-s", type=float, default=480.0, help="training wall time")
     p.add_argument("--every-s", type=float, default=60.0, help="a snapshot after each this many seconds")
+    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates too")
+    p.add_argument("--every-updates", type=int, default=None,
+                   help="a snapshot after every this many updates (instead of --every-s)")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="auto")
     p.add_argument("--batch-size", type=int, default=None,
                    help="prompts per update (default: the preset's 4); still one optimizer step per rollout")
@@ -69,11 +73,13 @@ def main() -> None:
     trainer = RLHFTrainer(cfg, Path(run_dir.name))
     trained, mark, snaps = 0.0, args.every_s, 0
     with open(out / "snapshots.jsonl", "w") as log:
-        while trained < args.budget_s:
+        while trained < args.budget_s and trainer.update < (args.max_updates or 10**9):
             start = time.perf_counter()
             metrics, _ = trainer.train_one_update()
             trained += time.perf_counter() - start
-            if trained >= mark or trained >= args.budget_s:
+            last = trained >= args.budget_s or trainer.update == args.max_updates
+            due = (trainer.update % args.every_updates == 0) if args.every_updates else trained >= mark
+            if due or last:
                 state = get_peft_model_state_dict(trainer.layout.peft, adapter_name="default")
                 weights = {k: v.detach().float().contiguous() for k, v in state.items()}
                 save_file(weights, out / f"snap_{snaps}.safetensors")

@@ -57,7 +57,7 @@ def main() -> None:
             tokens = [len(ex.ids) for row in objective.train_items for ex in row]
         else:
             cfg = build_config(RewardConfig, {**fields, "model": str(wdir / "reward"),
-                                              "data": str(wdir / "pairs.jsonl")})
+                                              "data": str(wdir / "pairs.jsonl"), "shared_prefix": args.shared_prefix})
             objective = RewardObjective(cfg, Path(run_dir))
             tokens = [len(p.chosen) + len(p.rejected) for p in objective.train_items]
         trainer = SupervisedTrainer(cfg, Path(run_dir), objective)

@@ -156,6 +156,8 @@ def supervised_worker_args(description: str) -> argparse.ArgumentParser:
                    "auto, bf16 where the CPU computes it natively)")
     p.add_argument("--padding-free", action="store_true", help="TRL SFT: padding_free=True (one packed row per "
                    "micro-batch, position ids restart per example)")
+    p.add_argument("--shared-prefix", default="auto", help="ppoforge's reward model: auto (a pair as one row, the "
+                   "prompt once) or off (chosen and rejected as two padded rows)")
     return p
 
 

@@ -41,8 +41,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=8, help="examples per forward/backward")
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--variants", default="trl:fp32,ppoforge:fp32",
-                   help="comma list of framework:precision[:padding-free]; trl: fp32 or bf16 (its bf16 flag, TRL's "
-                        "default, autocast on the CPU), :padding-free for its SFT; ppoforge: fp32, bf16 or auto")
+                   help="comma list of framework:precision[:option]; trl: fp32 or bf16 (its bf16 flag, TRL's "
+                        "default, autocast on the CPU), :pf for its SFT's padding_free; ppoforge: fp32, bf16 or "
+                        "auto, :off for its reward model's shared_prefix off (two padded rows a pair)")
     p.add_argument("--rounds", type=int, default=1, help="runs per configuration, order alternating")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--trl-venv", default=str(HERE.parent / ".bench-venvs" / "trl"))
@@ -85,11 +86,12 @@ def measure(name: str, args: argparse.Namespace, trl_py: Path) -> list[dict]:
                           "--max-length", str(args.max_length), "--threads", str(args.threads)]
                 for variant in args.variants.split(","):
                     framework, precision, *extra = variant.split(":")
-                    if extra and task != "sft":
-                        continue  # padding_free is SFTConfig's
+                    if extra and task != ("sft" if framework == "trl" else "reward"):
+                        continue  # padding_free is TRL's SFTConfig's, shared_prefix ppoforge's reward model's
                     worker = [str(trl_py), str(HERE / "trl_supervised_worker.py")] if framework == "trl" else \
                         [sys.executable, str(HERE / "ppoforge_supervised_worker.py")]
-                    flags = ["--precision", precision, *(["--padding-free"] if extra else [])]
+                    option = {"trl": ["--padding-free"], "ppoforge": ["--shared-prefix", "off"]}[framework]
+                    flags = ["--precision", precision, *(option if extra else [])]
                     configs.append((task, layout, variant, [*worker, *common, *flags]))
         runs: list[list[dict]] = [[] for _ in configs]
         for rnd in range(args.rounds):

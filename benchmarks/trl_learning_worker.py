@@ -16,8 +16,9 @@ completion after the first EOS it lists), `loss_type="grpo"` and `scale_rewards=
 bf16 is `bf16=True`, GRPOConfig's default (autocast over fp32 weights).
 
 The clock and the snapshots are ppoforge_learning_worker.py's: training steps (on_step_begin to
-on_step_end) are summed until `--budget-s`, then the trainer is told to stop; snapshot saves are not
-counted; the trainer's construction (model loading) is outside the clock.
+on_step_end) are summed until `--budget-s` (or `--max-updates` steps ran), then the trainer is told to stop;
+snapshots every `--every-s` seconds or `--every-updates` steps; snapshot saves are not counted; the
+trainer's construction (model loading) is outside the clock.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=480.0)
     p.add_argument("--every-s", type=float, default=60.0)
+    p.add_argument("--max-updates", type=int, default=None)
+    p.add_argument("--every-updates", type=int, default=None)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -79,7 +82,9 @@ def main() -> None:
         def on_step_end(self, targs, tstate, control, **k):
             state["trained"] += time.perf_counter() - self.t
             trained = state["trained"]
-            if trained >= state["mark"] or trained >= args.budget_s:
+            last = trained >= args.budget_s or tstate.global_step == args.max_updates
+            due = (tstate.global_step % args.every_updates == 0) if args.every_updates else trained >= state["mark"]
+            if due or last:
                 weights = get_peft_model_state_dict(trainer.model, adapter_name="default")
                 save_file({n: v.detach().float().contiguous() for n, v in weights.items()},
                           out / f"snap_{state['snaps']}.safetensors")
@@ -90,7 +95,7 @@ def main() -> None:
                 state["snaps"] += 1
                 while state["mark"] <= trained:
                     state["mark"] += args.every_s
-            if trained >= args.budget_s:
+            if last:
                 control.should_training_stop = True
             return control
 
