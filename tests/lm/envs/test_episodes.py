@@ -142,7 +142,7 @@ class Scripted:
         return 10.0
 
 
-def _play(lm, envs, rows, budgets, n_new=5, seed=0, end_check="warn"):
+def _play(lm, envs, rows, budgets, n_new=5, seed=0, end_check="warn", seeds=None, share_prefill=False):
     from ppoforge.lm.envs.chat import ChatRenderer
     from ppoforge.lm.envs.episodes import run_episodes
     from ppoforge.lm.models.sampler import SamplingParams
@@ -152,8 +152,8 @@ def _play(lm, envs, rows, budgets, n_new=5, seed=0, end_check="warn"):
                             pad_id=tokenizer.pad_token_id)
     uniforms = torch.rand(budgets.max_turns * n_new, len(rows), generator=torch.Generator().manual_seed(seed))
     renderer = ChatRenderer(tokenizer, end_check)
-    out = run_episodes(LlamaDecoder(model), renderer, envs, rows, list(range(len(rows))), params, budgets,
-                       uniforms, 64, "cpu")
+    out = run_episodes(LlamaDecoder(model), renderer, envs, rows, seeds or list(range(len(rows))), params, budgets,
+                       uniforms, 64, "cpu", share_prefill=share_prefill)
     assert torch.is_inference(out[2].logp)  # decoding records no autograd graph
     return (*out, renderer)
 
@@ -198,6 +198,24 @@ def test_episode_tokens_masks_and_logprobs(lm):
     # the environment tokens are the renderer's: rebuilding the conversation gives the same sequence
     first = envs[1]
     assert first.k == 3 and ep.transcripts[1].count("user: try again") == 2
+
+
+def test_a_groups_episodes_prefill_their_first_prompt_once_and_play_as_if_each_had_its_own(lm, monkeypatch):
+    """`share_prefill`: G episodes of one game (the same row and seed: one first prompt) prefill it once and
+    repeat its KV cache; with the same uniforms the episodes are those of every row prefilled."""
+    from ppoforge.lm.envs.episodes import Budgets
+
+    prefilled, prefill = [], LlamaDecoder.prefill
+    monkeypatch.setattr(LlamaDecoder, "prefill", lambda self, i, m, n: prefilled.append(i.shape[0]) or
+                        prefill(self, i, m, n))
+    rows, seeds = [{"n": 0}] * 3 + [{"n": 1}] * 3, [5] * 3 + [6] * 3
+    budgets = Budgets(max_turns=2, max_episode_tokens=200, max_env_tokens=32)
+    shared = _play(lm, [Scripted() for _ in rows], rows, budgets, seeds=seeds, share_prefill=True)[2]
+    plain = _play(lm, [Scripted() for _ in rows], rows, budgets, seeds=seeds)[2]
+    assert prefilled == [2, 6]
+    assert torch.equal(shared.response_ids, plain.response_ids) and shared.turns == plain.turns
+    assert len(set(map(tuple, plain.response_ids.tolist()))) > 2  # the group's episodes differ
+    torch.testing.assert_close(shared.logp, plain.logp, atol=1e-5, rtol=0)
 
 
 def test_budgets_end_episodes_as_truncations(lm):

@@ -31,7 +31,7 @@ import torch
 from ppoforge.lm.envs.protocol import EnvStep, as_messages
 from ppoforge.lm.models.attention import left_pad
 from ppoforge.lm.models.decoders import Decoder
-from ppoforge.lm.models.sampler import Samples, SamplingParams, draw_tokens
+from ppoforge.lm.models.sampler import Samples, SamplingParams, draw_tokens, prefill
 
 END_REASONS = ("done", "max_turns", "budget")
 
@@ -102,13 +102,14 @@ class _Row:
 @torch.inference_mode()
 def run_episodes(decoder: Decoder, renderer, envs: list, rows: list[dict], seeds: list[int],
                  params: SamplingParams, budgets: Budgets, uniforms: torch.Tensor, max_prompt_tokens: int,
-                 device) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
+                 device, share_prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
     """Play one episode per row: `envs[i]` (fresh, its replies checked: `lm/envs/protocol.py`) reset with rows[i]
     and random.Random(seeds[i]).
 
     `uniforms` (max_turns * max_new_tokens, B) are the pre-drawn sampling uniforms (turn k's step t uses
-    row k * max_new_tokens + t), so a batch played in parts makes the same draws. Returns the left-padded
-    prompts (B, P), their mask, and the episodes.
+    row k * max_new_tokens + t), so a batch played in parts makes the same draws. `share_prefill`: rows
+    whose first prompts come in runs of equal ones (a GRPO group's G episodes of one game) prefill it once.
+    Returns the left-padded prompts (B, P), their mask, and the episodes.
     """
     states, prompts = [], []
     for env, row, seed in zip(envs, rows, seeds, strict=True):
@@ -116,7 +117,7 @@ def run_episodes(decoder: Decoder, renderer, envs: list, rows: list[dict], seeds
         states.append(_Row(env, messages))
         prompts.append(renderer.prompt_ids(messages)[-max_prompt_tokens:])
     prompt_ids, prompt_mask = left_pad(prompts, params.pad_id, device)
-    logits, _ = decoder.prefill(prompt_ids, prompt_mask, budgets.capacity(params.max_new_tokens))
+    logits, _ = prefill(decoder, prompt_ids, prompt_mask, budgets.capacity(params.max_new_tokens), share_prefill)
     live = list(range(len(rows)))
     for turn in range(budgets.max_turns):
         fed = _policy_turn(decoder, logits, states, live, params, budgets, uniforms[turn * params.max_new_tokens:])

@@ -105,13 +105,7 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     """
     decoder = decoder_for(model) if isinstance(model, nn.Module) else model
     batch, n_new, dev = prompt_ids.shape[0], params.max_new_tokens, prompt_ids.device
-    repeats = run_length(prompt_ids, prompt_mask) if share_prefill else 1
-    if repeats > 1:
-        logits, hidden = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], n_new)
-        decoder.repeat(repeats)
-        logits, hidden = (None if x is None else x.repeat_interleave(repeats, 0) for x in (logits, hidden))
-    else:
-        logits, hidden = decoder.prefill(prompt_ids, prompt_mask, n_new)
+    logits, hidden = prefill(decoder, prompt_ids, prompt_mask, n_new, share_prefill)
     ids = torch.empty(batch, n_new, dtype=torch.long, device=dev)
     logp = torch.empty(batch, n_new, dtype=torch.float32, device=dev)
     hiddens = None if hidden is None else hidden.new_empty(batch, n_new, hidden.shape[-1])
@@ -134,6 +128,18 @@ def sample(model: nn.Module | Decoder, prompt_ids: torch.Tensor, prompt_mask: to
     mask = (is_stop.cumsum(1) - is_stop.long()) == 0  # no stop token strictly before t
     return Samples(ids.masked_fill(~mask, params.pad_id), mask.float(), logp * mask, ~alive,
                    None if hiddens is None else hiddens[:, :t + 1])
+
+
+def prefill(decoder: Decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int,
+            share: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decoder.prefill`; with `share`, rows in runs of n > 1 equal prompts prefill one copy of each and
+    repeat its KV cache (`Decoder.repeat`): the same (logits, hidden) of every row, to rounding."""
+    repeats = run_length(prompt_ids, prompt_mask) if share else 1
+    if repeats == 1:
+        return decoder.prefill(prompt_ids, prompt_mask, capacity)
+    logits, hidden = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], capacity)
+    decoder.repeat(repeats)
+    return tuple(None if x is None else x.repeat_interleave(repeats, 0) for x in (logits, hidden))
 
 
 def run_length(ids: torch.Tensor, mask: torch.Tensor) -> int:

@@ -207,7 +207,7 @@ class MultiTurn:
             with self.layout.decoder() as decoder, self.precision.autocast():
                 return run_episodes(decoder, self.renderer, [self.factory() for _ in rows], rows, seeds,
                                     self.sampling, self.budgets, uniforms, self.cfg.max_prompt_tokens,
-                                    self.inputs.device)
+                                    self.inputs.device, share_prefill=self.cfg.shared_prefix == "auto")
 
         prompt_ids, prompt_mask, episodes = distributed.checked(play)
         return Batch(rows, torch.cat([prompt_ids, episodes.response_ids], 1), prompt_mask, episodes,
