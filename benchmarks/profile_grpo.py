@@ -108,8 +108,9 @@ def main() -> None:
                                          updates=args.updates, seed=0, threads=args.threads, grpo=True,
                                          prompts=args.prompts, generations=args.generations,
                                          new_tokens=args.new_tokens, micro=args.micro,
-                                         shared_prefix=args.shared_prefix)
-        trainer = RLHFTrainer(ppoforge_rlhf_worker.rlhf_config(w, wdir, worker_args), Path(tmp) / "run")
+                                         shared_prefix=args.shared_prefix, device="cpu")
+        trainer = RLHFTrainer(ppoforge_rlhf_worker.rlhf_config(w, wdir, worker_args, wdir / "prompts.jsonl"),
+                              Path(tmp) / "run")
         clocks = {}
         targets = {"decode": (trainer.collector, "generate"), "reward": (trainer.collector, "scores"),
                    "reference": (trainer, "passes"), "forward": (trainer.layout, "forward"),
