@@ -218,6 +218,27 @@ def test_reward_model_scores_do_not_depend_on_batching(tiny_reward_model_dir):
     torch.testing.assert_close(torch.tensor(three), torch.tensor(one), rtol=1e-4, atol=1e-5)
 
 
+def test_a_groups_texts_are_scored_in_one_row_with_their_prompt_once(tiny_reward_model_dir, monkeypatch):
+    """`share_prefix`: a causal reward model scores a GRPO group's completions of one long prompt as one
+    row (the prompt once, `branch_rows`); the scores are those of padded rows, to fp32 rounding."""
+    from ppoforge.lm.models import rows
+
+    prompt = "you are a good assistant . you write one very nice sentence about this and that . tell a story"
+    prompts = [prompt] * 4 + ["describe the city at night"] * 4
+    completions = ["it was a great day .", "no", "the rain", "ok", "bad", "the city is beautiful .", "fine", "yes"]
+    plain = RewardModelScorer(str(tiny_reward_model_dir), batch_size=4)
+    shared = RewardModelScorer(str(tiny_reward_model_dir), batch_size=4, share_prefix=True)
+    built = []
+    monkeypatch.setattr("ppoforge.lm.rl.rewards.branch_rows", lambda groups, *a: built.append(len(groups)) or
+                        rows.branch_rows(groups, *a))
+    assert plain.group_size(plain.input_ids(prompts, completions)) == 1
+    assert shared.group_size(shared.input_ids(prompts, completions)) == 4
+    want, got = plain(prompts, completions), shared(prompts, completions)
+    assert built == [1, 1]  # one row per batch: the four texts of one prompt
+    assert len(set(want)) == 8
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_absolute_position_reward_models_score_a_text_as_they_would_alone(tmp_path, tiny_model, arch):
     """GPT-2 and BERT add absolute position embeddings (BERT also pools its first token): a text batched

@@ -188,7 +188,8 @@ def test_sft_batches_without_a_padding_mask_score_every_example_as_it_scores_alo
 
 
 def test_causal_reward_model_batches_score_each_pair_as_alone(tmp_path, tiny_reward_model_dir, pairs_file):
-    from ppoforge.lm.supervised.reward_model import RewardObjective, is_causal
+    from ppoforge.lm.models.loading import is_causal
+    from ppoforge.lm.supervised.reward_model import RewardObjective
 
     assert is_causal("qwen2") and is_causal("llama") and not is_causal("bert") and not is_causal("distilbert")
     objective = RewardObjective(_rm_cfg(tiny_reward_model_dir, pairs_file), tmp_path)

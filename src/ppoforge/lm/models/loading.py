@@ -33,6 +33,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
 )
 
@@ -188,6 +190,12 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device
                     device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def is_causal(model_type: str) -> bool:
+    """A decoder-only family (causal attention everywhere); BERT-style encoders, which some causal-LM
+    heads also exist for, are not."""
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, device="cpu",

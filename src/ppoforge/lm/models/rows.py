@@ -236,6 +236,12 @@ def shared_length(seqs: list[list[int]]) -> int:
     return n
 
 
+def branch_work(groups: list[list[list[int]]], attention_cost: float) -> float:
+    """`rows_work` of `branch_rows(groups)`: rows x (width + attention_cost x width^2), as wide as the longest."""
+    width = max(len(seqs[0]) + sum(len(s) - shared_length(seqs) for s in seqs[1:]) for seqs in groups)
+    return len(groups) * (width + attention_cost * width * width)
+
+
 def branch_rows(groups: list[list[list[int]]], pad_id: int, device) -> BranchRows:
     """Each group (sequences with a common prefix, e.g. a preference pair's chosen and rejected) as ONE
     row: the shared prefix once, then each sequence's rest with positions continuing the prefix's and the

@@ -148,7 +148,8 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
                           [[] for _ in heldout], None, loaded - len(rows))
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
-                                 call_timeout=cfg.call_timeout, dtype=frozen_dtype, attn_implementation=attn)
+                                 call_timeout=cfg.call_timeout, dtype=frozen_dtype, attn_implementation=attn,
+                                 share_prefix=cfg.shared_prefix == "auto")
         name = cfg.reward
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")

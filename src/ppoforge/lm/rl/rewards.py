@@ -30,7 +30,8 @@ import torch
 from ppoforge.errors import UserError
 from ppoforge.lm.data.tasks import task_reward
 from ppoforge.lm.models.attention import right_pad
-from ppoforge.lm.models.loading import has_tokenizer_files, load_reward_model, load_tokenizer
+from ppoforge.lm.models.loading import has_tokenizer_files, is_causal, load_reward_model, load_tokenizer
+from ppoforge.lm.models.rows import attention_cost, branch_rows, branch_work
 from ppoforge.lm.supervised.examples import reward_input_ids
 from ppoforge.runtime.usercode import call_user, load_python
 
@@ -98,24 +99,52 @@ class RewardModelScorer:
     alone, which absolute-position models (GPT-2, BERT-style encoders that pool their first token)
     need — left-padded, a GPT-2 reward model scored the same text 0.056 alone and 0.106 beside a longer
     one. Causal-LM classifiers find the last real token from the pad token themselves.
+    With `share_prefix` a causal model with a `score` head scores k consecutive texts as one row, the
+    tokens they begin with once (`rows.branch_rows`: a GRPO group's prompt, a chat template's header), each
+    score read at its text's last token; k (1: padded rows) is the one whose rows cost least
+    (`rows.branch_work`), per call.
     """
 
     def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
-                 batch_size: int = 8, attn_implementation: str | None = None):
+                 batch_size: int = 8, attn_implementation: str | None = None, share_prefix: bool = False):
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(name_or_path)
         self.model = load_reward_model(name_or_path, dtype=dtype, device=device, tokenizer=self.tokenizer,
                                        attn_implementation=attn_implementation)
         self.device = device
         self.batch_size = batch_size
+        self.head = getattr(self.model, "score", None)
+        self.share = share_prefix and self.head is not None and is_causal(self.model.config.model_type)
+        self.cost = attention_cost(self.model.config) if self.share else 0.0
 
     def input_ids(self, prompts: list[str], completions: list[str]) -> list[list[int]]:
         return [reward_input_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions, strict=True)]
 
+    def group_size(self, rows: list[list[int]]) -> int:
+        """The k of 1, 2, 4, ... (dividing batch_size) whose rows cost least over all batches of `rows`."""
+        sizes = [k for k in range(1, self.batch_size + 1) if self.batch_size % k == 0] if self.share else [1]
+        batches = [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+
+        def work(k: int) -> float:
+            if k == 1:
+                return sum(len(b) * (w + self.cost * w * w) for b in batches for w in [max(map(len, b))])
+            return sum(branch_work([b[j:j + k] for j in range(0, len(b), k)], self.cost) for b in batches)
+
+        return min(sizes, key=work)
+
     @torch.inference_mode()
     def __call__(self, prompts: list[str], completions: list[str], **kwargs) -> list[float]:
         rows, scores = self.input_ids(prompts, completions), []
+        k = self.group_size(rows)
         for i in range(0, len(rows), self.batch_size):
-            ids, mask = right_pad(rows[i:i + self.batch_size], self.tokenizer.pad_token_id, self.device)
+            part = rows[i:i + self.batch_size]
+            if k > 1:
+                br = branch_rows([part[j:j + k] for j in range(0, len(part), k)], self.tokenizer.pad_token_id,
+                                 self.device)
+                backbone = getattr(self.model, self.model.base_model_prefix)
+                hidden = backbone(**br.inputs(backbone)).last_hidden_state
+                scores += self.head(hidden.flatten(0, 1)[br.last])[:, 0].float().tolist()
+                continue
+            ids, mask = right_pad(part, self.tokenizer.pad_token_id, self.device)
             scores += self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()  # (b,)
         return scores
 

@@ -18,15 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-)
 
 from ppoforge.core.preference import bradley_terry_loss
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import right_pad
-from ppoforge.lm.models.loading import load_reward_model
+from ppoforge.lm.models.loading import is_causal, load_reward_model
 from ppoforge.lm.models.parts import export_model, lora_config, lora_wrap
 from ppoforge.lm.models.rows import branch_rows, shared_length
 from ppoforge.lm.supervised.config import RewardConfig
@@ -127,12 +123,6 @@ class RewardObjective:
 
     def export(self, path: Path) -> None:
         export_model(self.model, path, self.tokenizer, self.sharded)
-
-
-def is_causal(model_type: str) -> bool:
-    """A decoder-only family (causal attention everywhere); BERT-style encoders, which some causal-LM
-    heads also exist for, are not."""
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
