@@ -67,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sides", default="ppoforge,trl", help="which to run, in this order")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--timeout", type=float, default=3600.0, help="per worker")
+    p.add_argument("--combine", metavar="JSON", nargs="+", default=None,
+                   help="merge the scored runs of these result files (same task and evaluator; other seeds) into "
+                        "one table and figure, training and scoring nothing")
     p.add_argument("--score-only", metavar="WORK_DIR", default=None,
                    help="score the snapshots already in WORK_DIR (a work dir this script printed), train nothing")
     p.add_argument("--quiet-wait", type=float, default=120.0,
@@ -237,6 +240,7 @@ def plot(runs: dict, path: Path, title: str, x: str) -> None:
 def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path, seed: int) -> dict:
     """Run one side's worker for the budget; its settings, the machine's load and its snapshots."""
     out = work / f"seed{seed}" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
     common = ["--task-dir", str(work / "task"), "--budget-s", str(args.budget_s), "--every-s", str(args.every_s),
               "--seed", str(seed), "--threads", str(args.threads), "--out", str(out),
               *(["--max-updates", str(args.max_updates)] if args.max_updates else []),
@@ -267,6 +271,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    if args.combine:
+        results = [json.loads(Path(f).read_text()) for f in args.combine]
+        if len({json.dumps(r["task"], sort_keys=True) for r in results}) > 1:
+            raise SystemExit("--combine: the files hold different tasks")
+        runs = {seed: sides for r in results for seed, sides in r["runs"].items()}
+        x = results[0].get("x") or ("updates" if results[0]["args"]["every_updates"] else "train_s")
+        report(args, out, results[0]["task"], runs, x)
+        return
     if args.score_only:
         work = Path(args.score_only)
         task = json.loads((work / "task" / "task.json").read_text())
@@ -293,7 +305,11 @@ def main() -> None:
             side["points"] = [start] + [{"train_s": s["train_s"], "updates": s["updates"], "train_score": s["score"],
                                          **evaluator.score(Path(side["dir"]) / f"snap_{s['snapshot']}.safetensors")}
                                         for s in side["snapshots"]]
-    x = "updates" if args.every_updates else "train_s"
+    report(args, out, task, runs, "updates" if args.every_updates else "train_s")
+
+
+def report(args: argparse.Namespace, out: Path, task: dict, runs: dict, x: str) -> None:
+    """The table on stdout, the figure and the JSON of scored `runs` against `x` (train_s or updates)."""
     lines = summary(runs, x)
     print("\n".join(lines))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -303,8 +319,8 @@ def main() -> None:
     stem = out / ("learning_vs_trl" + ("" if task["digits"] == 1 else f"_{task['digits']}digit")
                   + ("_per_update" if x == "updates" else ""))
     plot(runs, stem.with_suffix(".png"), title, x)
-    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "task": task, "cpu": cpu, "runs": runs,
-                                                     "table": lines}, indent=1))
+    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "task": task, "cpu": cpu, "x": x,
+                                                     "runs": runs, "table": lines}, indent=1))
     print(f"[out] {stem}.json, {stem}.png")
 
 
