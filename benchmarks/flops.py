@@ -67,9 +67,16 @@ def grpo_step_flops(params: int, prompt_tokens: list[int], completion_tokens: fl
             "passes_per_token": 2 + train}
 
 
-def gemm_gflops(dtype, size: int, seconds: float) -> float:
+def gemm_gflops(dtype, size: int, seconds: float) -> tuple[float, int]:
     import torch
 
+    # a dtype the CPU only emulates (bf16 without AVX-512-BF16 or AMX: ~1 GFLOP/s) at a size whose product
+    # takes under ~1 s: a 2048 product takes ~12 s there, and the rate is that slow at every size
+    probe = torch.randn(256, 256, dtype=dtype)
+    start = time.perf_counter()
+    probe @ probe
+    while size > 256 and (time.perf_counter() - start) * (size / 256) ** 3 > 1.0:
+        size //= 2
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     for _ in range(2):
         a @ b
@@ -80,7 +87,7 @@ def gemm_gflops(dtype, size: int, seconds: float) -> float:
             a @ b
             n += 1
         best = max(best, 2 * size**3 * n / elapsed / 1e9)
-    return best
+    return best, size
 
 
 def main() -> None:
@@ -92,9 +99,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    result = {"size": args.size, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "fp32_gflops": gemm_gflops(torch.float32, args.size, args.seconds),
-              "bf16_gflops": gemm_gflops(torch.bfloat16, args.size, args.seconds)}
+    (fp32, size), (bf16, bf16_size) = (gemm_gflops(dtype, args.size, args.seconds)
+                                       for dtype in (torch.float32, torch.bfloat16))
+    result = {"size": size, "bf16_size": bf16_size, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "fp32_gflops": fp32, "bf16_gflops": bf16}
     print("BENCH_RESULT " + json.dumps(result), flush=True)
 
 
