@@ -148,6 +148,28 @@ def test_update_one_is_exactly_on_policy_and_at_the_reference(cfg_for, tmp_path,
         torch.testing.assert_close(f * m, p * m, **tol)
 
 
+
+@pytest.mark.parametrize("layout", ["lora", "full"])
+def test_lm_head_fp32_under_bf16_keeps_update_one_exact(cfg_for, tmp_path, layout):
+    """`lm_head_fp32`: the policy's logits are fp32 under bf16 autocast, the full layout's reference keeps
+    its head in fp32 as the policy's (stored in bf16 it would compute another distribution), and update 1
+    is still exactly on-policy and at the reference."""
+    from ppoforge.lm.models.parts import head_computes_in_fp32
+
+    cfg = cfg_for(layout=layout, precision="bf16", attn_implementation="eager", lm_head_fp32=True,
+                  learning_rate=1e-3 if layout == "full" else 1e-2)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
+    layout_ = trainer.layout
+    assert head_computes_in_fp32(layout_.policy_model.get_output_embeddings())
+    if layout == "full":
+        ref_head = layout_.reference.lm.get_output_embeddings()
+        assert head_computes_in_fp32(ref_head) and ref_head.weight.dtype == torch.float32
+    with torch.no_grad(), trainer.precision.autocast():
+        assert layout_.logits(torch.randn(2, 3, layout_.policy_model.config.hidden_size)).dtype == torch.float32
+    metrics, _ = trainer.train_one_update()
+    assert metrics["val/ratio"] == 1 and metrics["policy/approxkl_avg"] == 0 and metrics["objective/kl"] == 0
+
+
 def test_auto_falls_back_to_recomputing_when_the_sampler_is_off(cfg_for, tmp_path, capsys):
     trainer = RLHFTrainer(cfg_for(precision="bf16"), tmp_path, reward_fn=word_reward)
     fast = trainer.passes._policy_fast

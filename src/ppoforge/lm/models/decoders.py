@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.lm.models.parts import head_computes_in_fp32
 from ppoforge.lm.models.rows import TokenRows
 
 # transformers renamed `past_key_values` to `cache` in 5.x; pass whichever this version takes.
@@ -217,6 +218,7 @@ class LlamaDecoder:
         self.eager = getattr(cfg, "_attn_implementation", None) == "eager"  # else SDPA for the prefill
         self.embed = model.get_input_embeddings().weight
         self.head_module = model.get_output_embeddings()
+        self.head_fp32 = head_computes_in_fp32(self.head_module)  # `lm_head_fp32`: as the module computes
         self.rotary = backbone.rotary_emb
         self.final_norm = backbone.norm.weight
         self.layers = [_Layer(block) for block in backbone.layers]
@@ -233,11 +235,13 @@ class LlamaDecoder:
         - on CPU, also reorder them into oneDNN's blocked layout (bf16 where the CPU can). Decoding a few
           rows streams every weight from memory once per token, and plain F.linear repacks it on each call:
           prepacked, the decode's matmuls run ~1.5x faster in bf16, with bit-identical results (tested), and
-          1.4-2.5x in fp32 on an AVX2 EPYC (16 rows; oneDNN's kernels there, not MKL's: equal to rounding)."""
+          1.4-2.5x in fp32 on an AVX2 EPYC (16 rows; oneDNN's kernels there, not MKL's: equal to rounding);
+        - the LM head in fp32 when the model's head computes in fp32 (`parts.head_in_fp32`)."""
         if self._cast_dtype == dtype:
             return
-        cast = lambda wb: tuple(None if t is None else t.to(dtype) for t in wb)  # noqa: E731
-        packing = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and onednn_packing(dtype)
+        cast = lambda wb, dt=dtype: tuple(None if t is None else t.to(dt) for t in wb)  # noqa: E731
+        packs = lambda dt: device.type == "cpu" and dt in (torch.bfloat16, torch.float32) and onednn_packing(dt)  # noqa: E731
+        packing = packs(dtype)
         pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
         for layer in self.layers:
             layer.out_features = {}
@@ -246,9 +250,11 @@ class LlamaDecoder:
                 layer.out_features[name] = [w.shape[0] for w, _ in params]
                 fused = _concat(*params)
                 setattr(layer, name, pack(fused) if packing else fused)
-        head = cast(self.linear_params(self.head_module))
+        self.head_dtype = torch.float32 if self.head_fp32 else dtype
+        head = cast(self.linear_params(self.head_module), self.head_dtype)
         self.head_out_features = [head[0].shape[0]]
-        self.head = pack(head) if packing else head
+        self.head = pack(head) if packs(self.head_dtype) else head
+        self.head_linear = _packed_linear if packs(self.head_dtype) else F.linear
         self.linear, self._cast_dtype = (_packed_linear if packing else F.linear), dtype
 
     def _prepare_adapters(self, dtype: torch.dtype) -> None:
@@ -257,11 +263,12 @@ class LlamaDecoder:
             layer.adapters = {name: _stack_adapters([self.adapter_params(m) for m in modules],
                                                     layer.out_features[name], dtype)
                               for name, modules in layer.modules.items()}
-        self.head_adapter = _stack_adapters([self.adapter_params(self.head_module)], self.head_out_features, dtype)
+        self.head_adapter = _stack_adapters([self.adapter_params(self.head_module)], self.head_out_features,
+                                            self.head_dtype)
 
-    def _linear(self, x: torch.Tensor, weights: tuple, adapter) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weights: tuple, adapter, linear=None) -> torch.Tensor:
         """base(x) (+ B(A(x)) * scaling: peft's LoRA forward, op for op, so rounding matches it too)."""
-        y = self.linear(x, *weights)
+        y = (linear or self.linear)(x, *weights)
         if adapter is None:
             return y
         a, b, scale = adapter
@@ -329,7 +336,10 @@ class LlamaDecoder:
         batch, n = x.shape[:2]
         x = self._blocks(x, cos, sin, start, attn_mask, self.caches)
         hidden = self._norm(x.view(batch, n, -1)[:, -1], self.final_norm)
-        return self._linear(hidden, self.head, self.head_adapter), hidden
+        if not self.head_fp32:
+            return self._linear(hidden, self.head, self.head_adapter, self.head_linear), hidden
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self._linear(hidden.float(), self.head, self.head_adapter, self.head_linear), hidden
 
     def _embed_and_prepare(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         """Token embeddings, and the compute dtype (autocast's, else the weights') with the weights

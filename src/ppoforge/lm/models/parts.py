@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 import warnings
 from pathlib import Path
 
@@ -183,6 +184,32 @@ class CriticTrunk(nn.Module):
         return self.value_head(response_hidden(self.backbone, rows))
 
 
+# ---- the LM head in fp32 ------------------------------------------------------------------------------
+def head_in_fp32(lm: nn.Module) -> nn.Module:
+    """`lm_head_fp32`: the output embedding of `lm` computes in fp32 under autocast, from the fp32 hidden
+    state (weights stored in bf16 are upcast, exactly). Under bf16 autocast the head's logits are otherwise
+    rounded to 8 significant bits — at a logit of 20 that is +-0.06 — and that rounding is most of the
+    log-prob error bf16 adds (MiniMax-M1, arXiv:2506.13585 sec. 4: their RL's train/inference probability
+    mismatch came from the LM head's precision, fixed by an fp32 head). `lm` itself, changed in place;
+    every path that computes logits honors it: the module call (training, reference, Hugging Face decoding)
+    and the lean decoder, which reads the mark (`head_computes_in_fp32`)."""
+    head = lm.get_output_embeddings()
+    head.forward = types.MethodType(_fp32_linear, head)
+    head.computes_in_fp32 = True
+    return lm
+
+
+def _fp32_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        bias = None if module.bias is None else module.bias.float()
+        return nn.functional.linear(x.float(), module.weight.float(), bias)
+
+
+def head_computes_in_fp32(head: nn.Module) -> bool:
+    """Was `head_in_fp32` applied to this head (or to the layer a LoRA wrapper holds)?"""
+    return getattr(getattr(head, "base_layer", head), "computes_in_fp32", False)
+
+
 # ---- memory ------------------------------------------------------------------------------------------
 def enable_gradient_checkpointing(lm: nn.Module, context_fn=None) -> None:
     """Recompute each decoder layer in backward. HF only checkpoints a layer whose own `training` flag is
@@ -203,9 +230,11 @@ def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
     A frozen copy of an fp32 policy stored so computes exactly what the policy computes under autocast
     (which casts Linear weights to `dtype` on every call, and leaves embeddings and norms in fp32) at
-    about half the memory: the full layout's reference, whose KL to the policy must be 0 at update 1."""
+    about half the memory: the full layout's reference, whose KL to the policy must be 0 at update 1. A
+    head that computes in fp32 (`head_in_fp32`) stays fp32, as the policy's does."""
     embedding = model.get_input_embeddings().weight
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight is not embedding:
+        fp32 = getattr(module, "computes_in_fp32", False)
+        if isinstance(module, nn.Linear) and module.weight is not embedding and not fp32:
             module.to(dtype)
     return model

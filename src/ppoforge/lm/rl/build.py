@@ -20,7 +20,7 @@ from ppoforge.errors import UserError
 from ppoforge.lm.data.prompts import load_prompts, render_prompt, without
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
 from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
-from ppoforge.lm.models.parts import cast_linears
+from ppoforge.lm.models.parts import cast_linears, head_in_fp32
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.rewards import build_reward, score
 from ppoforge.runtime import distributed
@@ -101,22 +101,29 @@ def fsdp_precision(cfg: RLHFConfig, device: torch.device) -> str | None:
     return resolve_precision(cfg.precision, device) if cfg.fsdp and distributed.world().size > 1 else None
 
 
+def _load_lm(cfg: RLHFConfig, dtype: torch.dtype, device: torch.device, **kw):
+    """The policy's model (or its frozen base, or the reference), its LM head in fp32 with `lm_head_fp32`."""
+    model = load_causal_lm(cfg.model, dtype, device, **kw)
+    return head_in_fp32(model) if cfg.lm_head_fp32 else model
+
+
 def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) -> Layout:
     kw = {"tokenizer": tokenizer, "attn_implementation": attn}
+    load = functools.partial(_load_lm, cfg, device=device, **kw)
     if cfg.layout in ("lora", "lora-critic"):
-        base = load_causal_lm(cfg.model, frozen_dtype, device, **kw)
+        base = load(frozen_dtype)
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.layout == "lora-critic",
                           cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
-    policy = load_causal_lm(cfg.model, torch.float32, device, **kw)
+    policy = load(torch.float32)
     sharded = fsdp_precision(cfg, device)
     # the reference as the fp32 policy computes under autocast: Linear weights in its dtype, the rest fp32;
     # sharded, as FSDP casts the policy: all of it in bf16, or fp32. None without a KL term (kl_coef 0:
     # no reference pass, so no copy in memory)
     reference = None
     if cfg.kl_coef and sharded:
-        reference = load_causal_lm(cfg.model, torch.bfloat16 if sharded == "bf16" else torch.float32, device, **kw)
+        reference = load(torch.bfloat16 if sharded == "bf16" else torch.float32)
     elif cfg.kl_coef:
-        reference = cast_linears(load_causal_lm(cfg.model, torch.float32, device, **kw), frozen_dtype)
+        reference = cast_linears(load(torch.float32), frozen_dtype)
     critic = load_reward_model(cfg.critic_model, torch.float32, device, **kw) if cfg.critic_model else None
     layout = build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
     if sharded:
