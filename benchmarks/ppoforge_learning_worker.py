@@ -72,11 +72,16 @@ def main() -> None:
     run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")
     trainer = RLHFTrainer(cfg, Path(run_dir.name))
     trained, mark, snaps = 0.0, args.every_s, 0
-    with open(out / "snapshots.jsonl", "w") as log:
+    watched = ("objective/scores", "objective/entropy", "completions/clipped_ratio", "objective/response_length",
+               "policy/clipfrac_avg", "train/grad_norm")
+    with open(out / "snapshots.jsonl", "w") as log, open(out / "updates.jsonl", "w") as per_update:
         while trained < args.budget_s and trainer.update < (args.max_updates or 10**9):
             start = time.perf_counter()
             metrics, _ = trainer.train_one_update()
             trained += time.perf_counter() - start
+            # what a collapse shows first (entropy up, completions at the budget, the score gone)
+            per_update.write(json.dumps({"update": trainer.update} | {k: metrics[k] for k in watched if k in metrics})
+                             + "\n")
             last = trained >= args.budget_s or trainer.update == args.max_updates
             due = (trainer.update % args.every_updates == 0) if args.every_updates else trained >= mark
             if due or last:

@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=8, help="--grpo: completions per forward/backward")
     p.add_argument("--shared-prefix", choices=["auto", "off"], default="auto",
                    help="ppoforge's shared_prefix: a group's completions as one row behind one prompt, or padded rows")
+    p.add_argument("--attn", choices=["auto", "eager", "sdpa"], default="auto",
+                   help="ppoforge's attn_implementation for the training and scoring forwards")
     return p.parse_args()
 
 
@@ -75,6 +77,7 @@ def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace
         "ppo_epochs": 1, "total_updates": args.warmup + args.updates, "seed": args.seed,
         "precision": args.precision, "device": args.device, "torch_threads": args.threads,
         "tensorboard": False, "progress": False, "shared_prefix": args.shared_prefix,
+        "attn_implementation": args.attn,
         **(grpo_fields(args, w) if args.grpo else {}),
     })
 

@@ -89,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--grpo-micro", type=int, default=8)
     p.add_argument("--shared-prefix", default="auto",
                    help="ppoforge shared_prefix settings to time (comma list: auto,off side by side)")
+    p.add_argument("--attn", default="auto",
+                   help="ppoforge attn_implementation settings to time (comma list: auto,eager,sdpa side by side)")
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl"), help="venv holding TRL 1.12")
     p.add_argument("--trl-venvs", default="trl",
                    help="TRL venvs to time, comma list: trl (TRL 1.12, at --trl-venv), trl-current (the newest TRL, "
@@ -144,6 +146,12 @@ def trl_venvs(args: argparse.Namespace) -> list[tuple[str, Path]]:
     return out
 
 
+def label(layout: str, shared_prefix: str, attn: str) -> str:
+    """A ppoforge run's name in the tables: its layout and the settings that are not the defaults."""
+    return ", ".join([layout] + [f"{k} {v}" for k, v in (("shared_prefix", shared_prefix), ("attn", attn))
+                                 if v != "auto"])
+
+
 def grpo_configs(wdir: str, args: argparse.Namespace, trls: list[tuple[str, Path]], generations: int,
                  new_tokens: int) -> list[tuple[str, str, str, list[str]]]:
     """(framework, layout, precision, command) of every GRPO run at G = generations: each TRL venv at each
@@ -160,11 +168,11 @@ def grpo_configs(wdir: str, args: argparse.Namespace, trls: list[tuple[str, Path
                                  "--precision", p, *shape])
                for name, py in trls for p in args.trl_precisions.split(",")]
     if not args.skip_ppoforge:
-        configs += [("ppoforge", lay if sp == "auto" else f"{lay}, shared_prefix {sp}", p,
+        configs += [("ppoforge", label(lay, sp, attn), p,
                      [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"), *timing, "--updates", str(args.updates),
-                      "--grpo", *shape, "--layout", lay, "--precision", p, "--shared-prefix", sp])
+                      "--grpo", *shape, "--layout", lay, "--precision", p, "--shared-prefix", sp, "--attn", attn])
                     for lay in args.layouts.split(",") for p in args.precisions.split(",")
-                    for sp in args.shared_prefix.split(",")]
+                    for sp in args.shared_prefix.split(",") for attn in args.attn.split(",")]
     return configs
 
 
@@ -263,11 +271,11 @@ def measure_workload(name: str, args: argparse.Namespace, trl_py: Path | None,
             configs = [("trl", "trl-4-model", p, [str(trl_py), str(HERE / "trl_ppo_worker.py"), *common,
                                                     "--precision", p]) for p in trl_precisions]
         if not args.skip_ppoforge and not args.grpo:
-            configs += [("ppoforge", lay if sp == "auto" else f"{lay}, shared_prefix {sp}", p,
+            configs += [("ppoforge", label(lay, sp, attn), p,
                          [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"), *common, "--layout", lay,
-                          "--precision", p, "--shared-prefix", sp])
+                          "--precision", p, "--shared-prefix", sp, "--attn", attn])
                         for lay in args.layouts.split(",") for p in args.precisions.split(",")
-                        for sp in args.shared_prefix.split(",")]
+                        for sp in args.shared_prefix.split(",") for attn in args.attn.split(",")]
         runs: list[list[dict]] = [[] for _ in configs]
         for rnd in range(args.rounds):
             order = list(enumerate(configs))
