@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
                    help="a snapshot every this many updates instead of --every-s; compares accuracy per update")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ppoforge-precision", default="auto", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--ppoforge-lm-head-fp32", action="store_true",
+                   help="ppoforge's lm_head_fp32: the LM head in fp32 under bf16 (docs/rlhf.md)")
     p.add_argument("--ppoforge-batch", type=int, default=None,
                    help="ppoforge's prompts per update (default: the preset's 4, as TRL's): what its faster "
                         "steps can buy; one optimizer step per rollout either way")
@@ -193,14 +195,16 @@ def summary(runs: dict, x: str) -> list[str]:
 
 
 def mean_curves(runs: dict, x: str) -> dict[str, list[tuple[float, float, float, float]]]:
-    """Per side: (x, mean, lowest, highest accuracy over the seeds) at each x every seed has a point at."""
+    """Per side: (x, mean, lowest, highest accuracy over the seeds that ran it) at each x all of them have a
+    point at (combined files may hold a side for some seeds only)."""
     out = {}
-    for name in next(iter(runs.values())):
+    for name in dict.fromkeys(name for sides in runs.values() for name in sides):
+        seeds = [sides[name] for sides in runs.values() if name in sides]
         by_x: dict[float, list[float]] = {}
-        for sides in runs.values():
-            for p in sides[name]["points"]:
+        for side in seeds:
+            for p in side["points"]:
                 by_x.setdefault(p[x], []).append(p["accuracy"])
-        out[name] = [(at, sum(v) / len(v), min(v), max(v)) for at, v in sorted(by_x.items()) if len(v) == len(runs)]
+        out[name] = [(at, sum(v) / len(v), min(v), max(v)) for at, v in sorted(by_x.items()) if len(v) == len(seeds)]
     return out
 
 
@@ -213,7 +217,9 @@ def plot(runs: dict, path: Path, title: str, x: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    colours = dict(zip(next(iter(runs.values())), ("tab:blue", "tab:orange"), strict=False))
+    names = list(dict.fromkeys(name for sides in runs.values() for name in sides))
+    colours = dict(zip(names, ("tab:blue", "tab:orange"), strict=False))
+    labels = {name: side["label"] for sides in runs.values() for name, side in sides.items()}
     several = len(runs) > 1
     for sides in runs.values():
         for name, side in sides.items():
@@ -224,7 +230,8 @@ def plot(runs: dict, path: Path, title: str, x: str) -> None:
                         lw=1 if several else 1.5, label=None if several else side["label"])
     if several:
         for name, curve in mean_curves(runs, x).items():
-            label = next(iter(runs.values()))[name]["label"] + f", mean of {len(runs)} seeds"
+            count = sum(name in sides for sides in runs.values())
+            label = labels[name] + f", mean of {count} seeds"
             ax.plot([c[0] for c in curve], [100 * c[1] for c in curve], marker="s", lw=2.5, color=colours[name],
                     label=label)
     ax.set_xlabel("training wall time (s)" if x == "train_s" else "updates (optimizer steps)")
@@ -248,7 +255,8 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
     if name == "ppoforge":
         cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
                "--precision", args.ppoforge_precision,
-               *(["--batch-size", str(args.ppoforge_batch)] if args.ppoforge_batch else [])]
+               *(["--batch-size", str(args.ppoforge_batch)] if args.ppoforge_batch else []),
+               *(["--lm-head-fp32"] if args.ppoforge_lm_head_fp32 else [])]
     else:
         cmd = [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
                "--model-dir", str(model_dir), "--precision", args.trl_precision]
@@ -275,9 +283,13 @@ def main() -> None:
         results = [json.loads(Path(f).read_text()) for f in args.combine]
         if len({json.dumps(r["task"], sort_keys=True) for r in results}) > 1:
             raise SystemExit("--combine: the files hold different tasks")
-        runs = {seed: sides for r in results for seed, sides in r["runs"].items()}
+        runs: dict = {}
+        for r in results:  # a seed's sides may come from several files (one side each)
+            for seed, sides in r["runs"].items():
+                runs.setdefault(seed, {}).update(sides)
         x = results[0].get("x") or ("updates" if results[0]["args"]["every_updates"] else "train_s")
-        report(args, out, results[0]["task"], runs, x)
+        scored = {k: results[0]["args"][k] for k in ("samples", "threads")}  # how the runs were scored
+        report(argparse.Namespace(**(vars(args) | scored)), out, results[0]["task"], runs, x)
         return
     if args.score_only:
         work = Path(args.score_only)

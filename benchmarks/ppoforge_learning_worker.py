@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every-updates", type=int, default=None,
                    help="a snapshot after every this many updates (instead of --every-s)")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="auto")
+    p.add_argument("--lm-head-fp32", action="store_true", help="lm_head_fp32: the LM head in fp32 under bf16")
     p.add_argument("--batch-size", type=int, default=None,
                    help="prompts per update (default: the preset's 4); still one optimizer step per rollout")
     p.add_argument("--seed", type=int, default=0)
@@ -66,7 +67,7 @@ def main() -> None:
         **preset, "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
         "reward": f"py:{HERE / 'learning_task.py'}:answer_reward", "total_updates": 10**6, "seed": args.seed,
         "precision": args.precision, "torch_threads": args.threads, "checkpoint_every": 10**9,
-        "tensorboard": False, "progress": False,
+        "tensorboard": False, "progress": False, "lm_head_fp32": args.lm_head_fp32,
         **({"batch_size": args.batch_size, "mini_batch_size": args.batch_size * preset["num_generations"]}
            if args.batch_size else {})})
     run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")
@@ -96,7 +97,8 @@ def main() -> None:
                     mark += args.every_s
     (out / "run.json").write_text(json.dumps({
         "framework": "ppoforge", "version": ppoforge.__version__, "torch": torch.__version__,
-        "precision": args.precision, "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
+        "precision": args.precision, "lm_head_fp32": args.lm_head_fp32,
+        "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
         "updates": trainer.update, "train_s": trained, "completions_per_update": cfg.batch_size * cfg.num_generations,
         "settings": {k: getattr(cfg, k) for k in ("num_generations", "batch_size", "learning_rate", "lora_r",
                                                   "lora_alpha", "kl_coef", "temperature", "max_new_tokens",
