@@ -63,6 +63,7 @@ class World:
 _world = World()
 _timeout = DEFAULT_TIMEOUT
 _active = False  # do the helpers run their collectives (world > 1, or forced at world 1)?
+_agreed_failure = False  # did every rank learn of a failure in `checked` (then all exit together)?
 FORCE_ENV = "PPOFORGE_FORCE_COLLECTIVES"  # "1": a one-process group at world 1 (docs/distributed.md)
 
 
@@ -341,6 +342,8 @@ def checked(fn, *args):
     first = int((kind == 2).nonzero()[0])
     failure = [_describe(error) if first == _world.rank else None]  # (exit code, "rank r: ...")
     _collective(dist.broadcast_object_list, failure, first)
+    global _agreed_failure
+    _agreed_failure = True
     if error is not None and not isinstance(error, StopRequested):
         error.ppoforge_shared = True
         error.ppoforge_rank = _world.rank
@@ -366,13 +369,13 @@ _LEFT_GROUPS: list = []  # forced one-process groups left by `finish`, never des
 
 
 def finish(code: int) -> None:
-    """The end of a torchrun worker (cli.main): after a run that succeeded, wait for the other ranks
-    (none leaves while another is still in a collective), then exit with `code` without running the
-    process group's destructor — torch 2.6's gloo one can deadlock joining its threads once a peer has
-    left (seen here: rank 1 stuck in ~ProcessGroupGloo after rank 0 exited); the group dies with the
-    process. Every file a trainer writes is closed (and fsynced) by then. Nothing at world 1; the forced
-    one-process group (PPOFORGE_FORCE_COLLECTIVES) has no peer to wait for and is simply left, so the
-    process returns `code` as at world 1."""
+    """The end of a torchrun worker (cli.main): after a run that succeeded, or failed in a way `checked`
+    made every rank know of, wait for the other ranks (none leaves while another still works), then exit
+    with `code` without running the process group's destructor — torch 2.6's gloo one can deadlock joining
+    its threads once a peer has left (seen here: rank 1 stuck in ~ProcessGroupGloo after rank 0 exited);
+    the group dies with the process. Every file a trainer writes is closed (and fsynced) by then. Nothing
+    at world 1; the forced one-process group (PPOFORGE_FORCE_COLLECTIVES) has no peer to wait for and is
+    simply left, so the process returns `code` as at world 1."""
     global _active
     if not _active or not dist.is_initialized():
         return
@@ -383,11 +386,13 @@ def finish(code: int) -> None:
         dist.destroy_process_group()
         _active = False
         return
-    if code == 0:
+    if code == 0 or _agreed_failure:
+        # after a shared failure the first rank out made torchrun SIGTERM the others, rank 0 perhaps
+        # still writing its checkpoint and its line (seen on torch 2.6: rank 0's exit code lost)
         try:
             barrier()
         except DistTimeout:
-            code = 1
+            code = code or 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
