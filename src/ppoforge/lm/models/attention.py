@@ -75,3 +75,17 @@ def right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)  # cpu: into a host tensor
         mask[i, :len(r)] = 1
     return ids.to(device), mask.to(device)
+
+
+def chunk_attention(keys: torch.Tensor, valid: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a decoder's `extend` (decoders.py): write the chunk's validity into the key mask `keys`
+    (B, capacity) at slots [start, start + S) and return the chunk queries' (B, 1, S, start + S) bool mask
+    — causal, real keys only, the diagonal always (as `causal_mask`) — and the row-wise (B, S) offsets of
+    its real tokens (cumsum - 1)."""
+    n = valid.shape[1]
+    end = start + n
+    keys[:, start:end] = valid
+    causal = torch.ones(n, end, dtype=torch.bool, device=valid.device).tril(diagonal=start)
+    allowed = keys[:, None, :end] & causal[None]
+    allowed[:, torch.arange(n, device=valid.device), torch.arange(start, end, device=valid.device)] = True
+    return allowed[:, None], valid.long().cumsum(1) - 1

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaModel
 
-from ppoforge.lm.models.attention import as_attention_bias, causal_mask, position_ids
+from ppoforge.lm.models.attention import as_attention_bias, causal_mask, chunk_attention, position_ids
 from ppoforge.lm.models.parts import head_computes_in_fp32
 from ppoforge.lm.models.rows import TokenRows
 
@@ -56,19 +56,6 @@ class Decoder(Protocol):
     def extend(self, ids: torch.Tensor, valid: torch.Tensor) -> Output: ...  # after a (B, S) chunk, holes allowed
 
     def repeat(self, n: int) -> None: ...  # after prefill: every row becomes n rows (one prefill, n completions)
-
-
-def chunk_attention(keys: torch.Tensor, valid: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For `extend`: write the chunk's validity into the key mask `keys` (B, capacity) at slots [start,
-    start + S) and return the chunk queries' (B, 1, S, start + S) bool mask — causal, real keys only, the
-    diagonal always (as `causal_mask`) — and the row-wise (B, S) offsets of its real tokens (cumsum - 1)."""
-    n = valid.shape[1]
-    end = start + n
-    keys[:, start:end] = valid
-    causal = torch.ones(n, end, dtype=torch.bool, device=valid.device).tril(diagonal=start)
-    allowed = keys[:, None, :end] & causal[None]
-    allowed[:, torch.arange(n, device=valid.device), torch.arange(start, end, device=valid.device)] = True
-    return allowed[:, None], valid.long().cumsum(1) - 1
 
 
 def plain_linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -253,8 +240,8 @@ class LlamaDecoder:
         self.head_dtype = torch.float32 if self.head_fp32 else dtype
         head = cast(self.linear_params(self.head_module), self.head_dtype)
         self.head_out_features = [head[0].shape[0]]
-        self.head = pack(head) if packs(self.head_dtype) else head
-        self.head_linear = _packed_linear if packs(self.head_dtype) else F.linear
+        head_packing = packs(self.head_dtype)
+        self.head, self.head_linear = (pack(head), _packed_linear) if head_packing else (head, F.linear)
         self.linear, self._cast_dtype = (_packed_linear if packing else F.linear), dtype
 
     def _prepare_adapters(self, dtype: torch.dtype) -> None:
