@@ -67,17 +67,13 @@ def main() -> None:
     mask = torch.cat([enc.attention_mask.float(), out.response_mask], 1)
     start, resp, keep = enc.input_ids.shape[1] - 1, out.response_ids, out.response_mask.bool()
     head = model.get_output_embeddings()
-    plain_forward = head.forward
 
     def hidden(bf16: bool) -> torch.Tensor:
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             h = model.model(input_ids=ids, attention_mask=causal_mask(mask), position_ids=position_ids(mask))
             return h.last_hidden_state[:, start:-1]
 
-    def logp(h: torch.Tensor, bf16: bool, fp32_head: bool, round_logits=False, round_hidden=False) -> torch.Tensor:
-        head.forward = plain_forward
-        if fp32_head:
-            head_in_fp32(model)
+    def logp(h: torch.Tensor, bf16: bool, round_logits=False, round_hidden=False) -> torch.Tensor:
         if round_hidden:
             h = h.bfloat16().float()
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -88,10 +84,12 @@ def main() -> None:
 
     t0 = time.perf_counter()
     h32, h16 = hidden(False), hidden(True)
-    exact = logp(h32, False, False)
-    variants = {"bf16": logp(h16, True, False), "bf16, fp32 head": logp(h16, True, True),
-                "fp32 body, logits rounded to bf16": logp(h32, False, False, round_logits=True),
-                "fp32 body, hidden rounded to bf16": logp(h32, False, False, round_hidden=True)}
+    exact = logp(h32, False)
+    variants = {"bf16": logp(h16, True),
+                "fp32 body, logits rounded to bf16": logp(h32, False, round_logits=True),
+                "fp32 body, hidden rounded to bf16": logp(h32, False, round_hidden=True)}
+    head_in_fp32(model)  # last: the option as a run applies it, from here on
+    variants = {"bf16": variants.pop("bf16"), "bf16, fp32 head": logp(h16, True), **variants}
     result = {"model": args.model, "completions": args.completions, "tokens": int(keep.sum()),
               "mean_len": float(out.response_mask.sum(1).mean()), "seconds": round(time.perf_counter() - t0, 1),
               "torch": torch.__version__, "variants": {}}
