@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from ppoforge.cli import main
 from ppoforge.config import build_config
 from ppoforge.lm.models.rows import padded
+from ppoforge.lm.rl import build
+from ppoforge.lm.rl.build import attention_for
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.trainer import RLHFTrainer, train
 from ppoforge.runtime.metrics import read_metrics
@@ -207,6 +209,25 @@ def test_decoder_choice(cfg_for, tmp_path, decoder):
     assert (trainer.layout.fast_ref_forward is None) == (decoder == "hf")
     metrics, _ = trainer.train_one_update()
     assert metrics["val/ratio"] == 1 and metrics["objective/kl"] == 0
+
+
+def test_attention_for_picks_eager_for_short_rows_on_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention_for("auto", cpu, build.EAGER_MAX_TOKENS) == "eager"
+    assert attention_for("auto", cpu, build.EAGER_MAX_TOKENS + 1) == "sdpa"
+    assert attention_for("auto", cuda, 64) is None  # the model's default
+    assert attention_for("eager", cpu, 10**4) == "eager" and attention_for("sdpa", cpu, 8) == "sdpa"
+
+
+@pytest.mark.parametrize("limit", [22, 21])
+def test_auto_attention_follows_the_row_length(cfg_for, tmp_path, monkeypatch, limit):
+    """max_prompt_tokens 16 + max_new_tokens 6 = 22 positions: eager up to the limit, SDPA past it, and
+    either way update 1 is exactly on policy."""
+    monkeypatch.setattr(build, "EAGER_MAX_TOKENS", limit)
+    trainer = RLHFTrainer(cfg_for(attn_implementation="auto"), tmp_path, reward_fn=word_reward)
+    assert trainer.policy_attention() == ("eager" if limit == 22 else "sdpa")
+    metrics, _ = trainer.train_one_update()
+    assert metrics["val/ratio"] == 1
 
 
 def test_tokenizer_field_with_bare_model_and_reward_checkpoints(cfg_for, tmp_path, tiny_lm_dir,

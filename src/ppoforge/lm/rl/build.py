@@ -85,12 +85,21 @@ def check_sequence_fits(cfg: RLHFConfig, model_config) -> None:
                         f"{need} positions, more than the model's {limit}; allowed: a sum <= {limit}")
 
 
-def attention_for(choice: str, device: torch.device) -> str | None:
-    """`attn_implementation` for from_pretrained: on CPU, `auto` is eager. For RLHF's short sequences
-    (tens to hundreds of tokens) CPU SDPA's flash kernel, its backward above all, is slower than three
-    plain ops: measured -12 % per PPO update on the `tiny` benchmark, -4 % on `smollm2`."""
+# On CPU, `auto` attention is eager up to this many positions a row (prompt + completion budget), SDPA
+# beyond. Eager keeps every layer's (rows, heads, T, T) probabilities for backward: at SmolLM2's shape, G 8 and
+# 158 + 512 tokens that was 19.9 GiB of peak RSS against SDPA's 16.1 for 3 % more time; at 158 + 128 tokens
+# eager's run stayed under TRL's memory (docs/benchmarks.md).
+EAGER_MAX_TOKENS = 512
+
+
+def attention_for(choice: str, device: torch.device, row_tokens: int) -> str | None:
+    """`attn_implementation` for from_pretrained. On CPU, `auto` is eager for rows of up to
+    `EAGER_MAX_TOKENS` positions: for RLHF's short sequences CPU SDPA's flash kernel, its backward above
+    all, is slower than three plain ops (-12 % per PPO update on the `tiny` benchmark, -4 % on `smollm2`).
+    Longer rows get SDPA, whose memory grows with T where eager's grows with T². Elsewhere `auto` is the
+    model's default."""
     if choice == "auto":
-        return "eager" if device.type == "cpu" else None
+        return ("eager" if row_tokens <= EAGER_MAX_TOKENS else "sdpa") if device.type == "cpu" else None
     return choice
 
 
@@ -138,7 +147,7 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     precision = make_precision("fp32" if fsdp_precision(cfg, device) else cfg.precision, device)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
                                field="tokenizer" if cfg.tokenizer else "model")
-    attn = attention_for(cfg.attn_implementation, device)
+    attn = attention_for(cfg.attn_implementation, device, cfg.max_prompt_tokens + cfg.episode_tokens)
     frozen_dtype = precision.dtype or torch.float32  # weights that never train: the reference, reward models
     layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
     check_sequence_fits(cfg, layout.policy_model.config)

@@ -177,8 +177,10 @@ class RLHFConfig(FaultConfig):
     decoder: str = param("auto", "sampling loop: lean (our Llama/Qwen2 decode step, ~2x faster); hf (the "
                          "model's own forward, any model); auto: lean where it applies",
                          choices=("auto", "lean", "hf"), resume=True)
-    attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (eager on CPU, "
-                                     "faster there at RLHF lengths; the model's default elsewhere), eager, sdpa",
+    attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (on CPU eager, "
+                                     "faster there at RLHF lengths, and sdpa where max_prompt_tokens + the "
+                                     "completion budget > 512, as eager's memory grows with its square; the "
+                                     "model's default elsewhere), eager, sdpa",
                                      choices=("auto", "eager", "sdpa"))
     checkpoint_every: int = param(25, "save a checkpoint every this many updates (and at the end)",
                                   lo=1, hi=10**9, resume=True)
