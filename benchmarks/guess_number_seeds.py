@@ -2,15 +2,19 @@
 
     .venv/bin/python benchmarks/guess_number_seeds.py --seeds 1,2,3 --parallel 2 --threads 1
     .venv/bin/python benchmarks/guess_number_seeds.py --report /tmp/gn/B1,/tmp/gn/B2      # runs already made
+    .venv/bin/python benchmarks/guess_number_seeds.py --seeds 1 --out /tmp/gn16 -- \
+        --env "guess_number?hi=16&invalid=-0.1&feedback=range&progress=1.0"                 # a harder variant
 
 Each seed is `ppoforge train rlhf --preset guess_number --seed S --torch-threads T --run-dir OUT/seed_S`
-(`--parallel` of them at once: with `--threads 1` two seeds share the two cores, one each). A held-out game
+(`--parallel` of them at once: with `--threads 1` two seeds share the two cores, one each; arguments after
+`--` go to every run, e.g. another `--env` or `--max-turns`). A held-out game
 counts as solved when its return shows the right guess: with the preset's environment (`progress` c,
 `invalid` p per reply without a number) an unsolved game returns at most c, a solved one at least
 1 + c + p * (max_turns - 1), and the report refuses settings where the two could meet. Output under
 --out: guess_number_seeds.json (per seed and evaluation: solved / games, Wilson's 95 % interval, the
 run's wall time), guess_number_seeds.png (solved fraction against updates, one line per seed, error
-bars) and a markdown table on stdout.
+bars, with the yardsticks of the run's range and turn budget: random distinct guesses, random guesses
+among the numbers the feedback allows, binary search) and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -38,7 +42,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--preset", default="guess_number")
     p.add_argument("--report", default=None, help="comma list of finished run dirs: report them, run nothing")
     p.add_argument("--out", default=str(HERE / "results"))
-    return p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
+    return args
+
+
+def yardsticks(hi: int, turns: int) -> dict[str, float]:
+    """Chance of solving a game of secrets 1..hi in `turns` guesses: guessing distinct numbers at random,
+    guessing at random among the numbers the feedback ("Higher." / "Lower.") still allows, binary search."""
+    allowed = [[0.0] * (turns + 1) for _ in range(hi + 1)]  # allowed[n][t]: n candidates, t guesses left
+    for t in range(1, turns + 1):
+        for n in range(1, hi + 1):  # secret and guess uniform over the n candidates, independent
+            rest = sum((i - 1) * allowed[i - 1][t - 1] + (n - i) * allowed[n - i][t - 1] for i in range(1, n + 1))
+            allowed[n][t] = 1 / n + rest / n ** 2
+    return {"random distinct guesses": min(turns, hi) / hi, "random guesses the feedback allows": allowed[hi][turns],
+            "binary search": min(hi, 2 ** turns - 1) / hi}
 
 
 def solved_threshold(cfg: dict) -> float:
@@ -69,7 +89,12 @@ def report_run(run_dir: Path) -> dict:
         points.append({"update": step, "solved": sum(solved), "games": len(solved), "rate": sum(solved) / len(solved),
                        "lo": lo, "hi": hi})
     timing = json.loads((run_dir / "timing.json").read_text()) if (run_dir / "timing.json").exists() else {}
+    from ppoforge.config import parse_query
+
+    _, options = parse_query(cfg["env"], cfg["env"], "environment")
+    hi = int(options.get("hi", 16))
     return {"run_dir": str(run_dir), "seed": cfg["seed"], "env": cfg["env"], "threshold": threshold,
+            "hi": hi, "max_turns": cfg["max_turns"], "yardsticks": yardsticks(hi, cfg["max_turns"]),
             "points": points, **timing}
 
 
@@ -81,7 +106,7 @@ def run_seeds(args: argparse.Namespace, out: Path) -> list[Path]:
             seed = pending.pop(0)
             run_dir = out / f"seed_{seed}"
             cmd = [str(ROOT / ".venv" / "bin" / "ppoforge"), "train", "rlhf", "--preset", args.preset, "--seed", seed,
-                   "--torch-threads", str(args.threads), "--run-dir", str(run_dir), "--progress", "false"]
+                   "--torch-threads", str(args.threads), "--run-dir", str(run_dir), "--progress", "false", *args.extra]
             log = open(out / f"seed_{seed}.log", "w")  # noqa: SIM115 (the child writes it until it exits)
             running.append((run_dir, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
                             time.perf_counter()))
@@ -110,10 +135,11 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.errorbar([p["update"] for p in pts], [100 * p["rate"] for p in pts], capsize=3, marker="o",
                     yerr=[[100 * (p["rate"] - p["lo"]) for p in pts], [100 * (p["hi"] - p["rate"]) for p in pts]],
                     label=f"seed {run['seed']}")
-    ax.axhline(50, color="grey", ls=":", label="random distinct guesses (50 %)")
-    ax.axhline(84.4, color="grey", ls="--", label="random guesses the feedback allows (84 %)")
+    for (name, rate), style in zip(runs[0]["yardsticks"].items(), (":", "--", "-."), strict=True):
+        if rate < 1:
+            ax.axhline(100 * rate, color="grey", ls=style, label=f"{name} ({rate:.1%})")
     ax.set_xlabel("GRPO update")
-    ax.set_ylabel("held-out games solved in 4 guesses (%)")
+    ax.set_ylabel(f"held-out games solved in {runs[0]['max_turns']} guesses (%)")
     ax.set_title(runs[0]["env"], fontsize=9)
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
@@ -142,6 +168,7 @@ def main() -> None:
     lo, hi = binomial_interval(solved, games)
     lines.append(f"\nafter the last update, {len(runs)} seeds: {solved}/{games} = {solved / games:.1%} "
                  f"[{lo:.1%}, {hi:.1%}] of held-out games solved")
+    lines.append("yardsticks: " + ", ".join(f"{k} {v:.1%}" for k, v in runs[0]["yardsticks"].items()))
     print("\n".join(lines))
     plot(runs, out / "guess_number_seeds.png")
     (out / "guess_number_seeds.json").write_text(json.dumps({"runs": runs, "table": lines}, indent=1))
