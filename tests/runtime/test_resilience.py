@@ -240,15 +240,40 @@ def test_the_collapse_guard_names_each_sign_against_the_first_update():
     guard = CollapseGuard(patience=3, action="stop")
     assert guard.signs(entropy=1.0, clipped=0.1, reward=0.5, low=0.0, high=1.0) == []  # update 1: the baseline
     assert guard.signs(2.0, 0.1, 0.5, 0.0, 1.0) == []  # 2x is the limit, not over it
-    assert guard.signs(2.5, 0.95, 0.0, 0.0, 0.0) == ["entropy 2.50 nats/token, 2.5x update 1's",
-                                                     "95% of completions hit max_new_tokens (update 1: 10%)",
-                                                     "every score 0, below the run's best mean 0.5"]
+    assert guard.signs(2.5, 0.95, 0.0, 0.0, 0.0, prompts=10) == [
+        "entropy 2.50 nats/token, 2.5x update 1's", "95% of completions hit max_new_tokens (update 1: 10%)",
+        "every score 0 for 10 prompts in a row, below the run's best mean 0.5"]  # 0.5 ** 10 < 1e-3
     # a policy that never learned EOS (update 1 already at the budget) and a constant reward are not collapse
     never = CollapseGuard(3, "stop")
     assert [never.signs(1.0, 1.0, 0.0, 0.0, 0.0) for _ in range(5)] == [[]] * 5
     # nor a sparse 0/1 reward whose best mean is a few successes: 0.2 < 25 % of the range 1
     sparse = CollapseGuard(3, "stop")
     assert [sparse.signs(1.0, 0.1, r, 0.0, 1.0 if r else 0.0) for r in (0.1, 0.2, 0.0, 0.0)] == [[]] * 4
+
+
+def test_the_collapse_guards_flat_reward_needs_more_prompts_in_a_row_than_chance_gives():
+    """A policy right on 35 % of the answers, 4 prompts a rollout, answering each prompt's completions
+    alike: a rollout all wrong is 0.65 ** 4 = 18 % likely, so 4 in a row (16 prompts, 0.65 ** 16 =
+    1.02e-3) are no sign yet, the 5th (20 prompts) is. A run that was right 90 % of the time and drops to
+    a flat 0 is named at once."""
+    from ppoforge.runtime.resilience import CollapseGuard
+
+    def flat_signs(rate, rollouts):
+        guard = CollapseGuard(3, "stop")
+        for _ in range(20):  # healthy rollouts: the run's mean (and best) is `rate`
+            guard.signs(1.0, 0.0, rate, 0.0, 1.0, prompts=4)
+        return [guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, prompts=4) != [] for _ in range(rollouts)]
+
+    assert flat_signs(0.35, 6) == [False] * 4 + [True] * 2
+    assert flat_signs(0.9, 2) == [True, True]
+    guard = CollapseGuard(3, "stop")
+    guard.signs(1.0, 0.0, 0.9, 0.0, 1.0, prompts=4)
+    guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, prompts=4)
+    guard.signs(1.0, 0.0, 0.5, 0.0, 1.0, prompts=4)  # a rollout with a right answer ends the run of flat ones
+    assert guard.flat_prompts == 0
+    restored = CollapseGuard(3, "stop")
+    restored.load_state_dict(guard.state_dict())
+    assert vars(restored) == vars(guard)
 
 
 def test_the_collapse_guard_acts_after_patience_updates_in_a_row_and_resets_on_a_good_one():

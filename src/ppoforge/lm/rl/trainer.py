@@ -240,7 +240,7 @@ class RLHFTrainer:
         """The collapse guard on this update's rollout: token entropy, share at the budget, scores."""
         self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
                             metrics["completions/clipped_ratio"], metrics["objective/scores"],
-                            metrics["objective/score_min"], metrics["objective/score_max"])
+                            metrics["objective/score_min"], metrics["objective/score_max"], self.cfg.batch_size)
         metrics["guard/collapse_streak"] = self.collapse.streak
 
     def draw(self) -> Drawn:
