@@ -196,15 +196,17 @@ def summary(runs: dict, x: str) -> list[str]:
 
 def mean_curves(runs: dict, x: str) -> dict[str, list[tuple[float, float, float, float]]]:
     """Per side: (x, mean, lowest, highest accuracy over the seeds that ran it) at each x all of them have a
-    point at (combined files may hold a side for some seeds only)."""
+    point at (combined files may hold a side for some seeds only). Snapshots by seconds fall a few seconds
+    apart in each seed: there the k-th snapshots of the seeds are averaged, at their mean second."""
     out = {}
     for name in dict.fromkeys(name for sides in runs.values() for name in sides):
         seeds = [sides[name] for sides in runs.values() if name in sides]
-        by_x: dict[float, list[float]] = {}
+        by_x: dict[float, list[tuple[float, float]]] = {}
         for side in seeds:
-            for p in side["points"]:
-                by_x.setdefault(p[x], []).append(p["accuracy"])
-        out[name] = [(at, sum(v) / len(v), min(v), max(v)) for at, v in sorted(by_x.items()) if len(v) == len(seeds)]
+            for k, p in enumerate(side["points"]):
+                by_x.setdefault(p[x] if x == "updates" else k, []).append((p[x], p["accuracy"]))
+        out[name] = [(round(sum(at for at, _ in v) / len(v)), sum(a for _, a in v) / len(v), min(a for _, a in v),
+                      max(a for _, a in v)) for _, v in sorted(by_x.items()) if len(v) == len(seeds)]
     return out
 
 
