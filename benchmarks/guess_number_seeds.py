@@ -100,6 +100,7 @@ def report_run(run_dir: Path) -> dict:
 
 def run_seeds(args: argparse.Namespace, out: Path) -> list[Path]:
     pending, running, dirs = args.seeds.split(","), [], []
+    out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     while pending or running:
         while pending and len(running) < args.parallel:
