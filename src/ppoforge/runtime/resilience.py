@@ -195,7 +195,8 @@ class CollapseGuard:
         span = self.high - self.low
         if low == high and self.best_reward - reward >= self.REWARD_FALL * span > 0:
             self.flat_prompts += prompts
-            p = (self.reward_sum / max(self.rollouts, 1) - self.low) / span  # the run's rate before the flat ones
+            # the run's rate before the flat rollouts; none seen (a resumed old checkpoint): no evidence yet
+            p = (self.reward_sum / self.rollouts - self.low) / span if self.rollouts else 0.0
             if (1 - min(max(p, 0.0), 1.0)) ** self.flat_prompts <= self.REWARD_CHANCE:
                 out.append(f"every score {reward:.3g} for {self.flat_prompts} prompts in a row, below the run's "
                            f"best mean {self.best_reward:.3g}")
