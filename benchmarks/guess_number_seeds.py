@@ -61,11 +61,8 @@ def yardsticks(hi: int, turns: int) -> dict[str, float]:
             "binary search": min(hi, 2 ** turns - 1) / hi}
 
 
-def solved_threshold(cfg: dict) -> float:
-    """The return above which a game was solved (see the module docstring)."""
-    from ppoforge.config import parse_query
-
-    _, options = parse_query(cfg["env"], cfg["env"], "environment")
+def solved_threshold(cfg: dict, options: dict) -> float:
+    """The return above which a game was solved (see the module docstring); `options`: the env spec's."""
     c, p = float(options.get("progress", 0.0)), float(options.get("invalid", 0.0))
     solved_min = 1.0 + c + min(p, 0.0) * (cfg["max_turns"] - 1)
     if solved_min <= c:
@@ -74,9 +71,12 @@ def solved_threshold(cfg: dict) -> float:
 
 
 def report_run(run_dir: Path) -> dict:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    threshold = solved_threshold(cfg)
+    from ppoforge.config import parse_query
     from ppoforge.core.stats import binomial_interval
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    _, options = parse_query(cfg["env"], cfg["env"], "environment")
+    threshold, top = solved_threshold(cfg, options), int(options.get("hi", 16))  # 16: the env's default range
 
     games = collections.defaultdict(list)
     for line in (run_dir / "completions.jsonl").read_text().splitlines():
@@ -89,12 +89,8 @@ def report_run(run_dir: Path) -> dict:
         points.append({"update": step, "solved": sum(solved), "games": len(solved), "rate": sum(solved) / len(solved),
                        "lo": lo, "hi": hi})
     timing = json.loads((run_dir / "timing.json").read_text()) if (run_dir / "timing.json").exists() else {}
-    from ppoforge.config import parse_query
-
-    _, options = parse_query(cfg["env"], cfg["env"], "environment")
-    hi = int(options.get("hi", 16))
     return {"run_dir": str(run_dir), "seed": cfg["seed"], "env": cfg["env"], "threshold": threshold,
-            "hi": hi, "max_turns": cfg["max_turns"], "yardsticks": yardsticks(hi, cfg["max_turns"]),
+            "hi": top, "max_turns": cfg["max_turns"], "yardsticks": yardsticks(top, cfg["max_turns"]),
             "points": points, **timing}
 
 
