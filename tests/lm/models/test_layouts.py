@@ -43,6 +43,20 @@ def test_both_lora_decoders_equal_the_adapter_forward(tiny_lm_dir):
         assert hf_hidden is None
 
 
+def test_the_lean_decoder_frees_its_kv_cache_when_the_rollout_ends(tiny_lm_dir):
+    layout = _trained_lora(tiny_lm_dir)
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    for _ in range(2):  # a second rollout builds a new cache
+        with torch.inference_mode(), layout.decoder() as lean:
+            first, _ = lean.prefill(ids, mask, 4)
+            assert len(lean.caches) == len(lean.layers)
+            lean.step(torch.tensor([8]), 0)
+        assert lean.caches is None  # no quarter GiB living on through the training passes
+    torch.testing.assert_close(first, layout.logits(layout.forward(padded(torch.cat([ids, ids[:, :1]], 1),
+                                                                            torch.ones(1, 4), 1))[0])[:, -1],
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("alpha", [8.0, 6.0])  # scaling alpha / r = 2 (folded into B by the lean decoder), 1.5
 def test_decoders_over_a_bf16_base_apply_the_adapter_unmerged(tiny_lm_dir, alpha):
     """A bf16 merge would round W + s * B @ A and lose small deltas: both decoders keep the adapter

@@ -1,9 +1,11 @@
-"""token_logprobs: chunked log-probs and entropies equal the naive full log-softmax, values and grads."""
+"""token_logprobs: chunked log-probs and entropies equal the naive full log-softmax, values and grads;
+head_logprobs: the LM head applied chunk by chunk, checkpointed, equals the head applied at once."""
 
 import pytest
 import torch
 
-from ppoforge.lm.models.logprobs import token_logprobs
+import ppoforge.lm.models.logprobs as logprobs_module
+from ppoforge.lm.models.logprobs import head_logprobs, token_logprobs
 
 
 def naive(logits, tokens, tau):
@@ -71,3 +73,53 @@ def test_gradient_of_logp_alone_and_bf16_logits():
 def test_no_grad_path_skips_entropy():
     logp, entropy = token_logprobs(torch.randn(2, 3, 11), torch.zeros(2, 3, dtype=torch.long), entropy=False)
     assert entropy is None and logp.shape == (2, 3)
+
+
+def _head_case(seed=3, vocab=23, hidden=8):
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab)
+    return head, torch.randn(3, 7, hidden, requires_grad=True), torch.randint(0, vocab, (3, 7))
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 4, 7, 11, 100])  # 1, uneven, even chunks; 2 chunks: whole
+@pytest.mark.parametrize("terms", ["both", "logp"])
+def test_head_logprobs_by_chunks_equal_the_whole_head_values_and_grads(monkeypatch, tokens_per_chunk, terms):
+    head, hidden, tokens = _head_case()
+    monkeypatch.setattr(logprobs_module, "HEAD_CHUNK_ELEMENTS", 23 * tokens_per_chunk)
+    w_logp, w_ent = torch.randn(3, 7), torch.randn(3, 7)
+
+    def grads(logp, entropy):
+        loss = (logp * w_logp).sum() + ((entropy * w_ent).sum() if terms == "both" else 0)
+        return (logp.detach(), *torch.autograd.grad(loss, [hidden, head.weight, head.bias]))
+
+    chunked = grads(*head_logprobs(head, hidden, tokens, 23, 0.7))
+    whole = grads(*token_logprobs(head(hidden), tokens, 0.7))
+    for got, want in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with torch.no_grad():  # what the scoring passes run: the training pass's numbers, bit for bit
+        assert torch.equal(head_logprobs(head, hidden, tokens, 23, 0.7, entropy=False)[0], chunked[0])
+
+
+def test_head_logprobs_keeps_hidden_states_for_backward_not_logits(monkeypatch):
+    """What autograd saves during the forward: the whole (N, V) logits unchunked; chunked, each chunk's
+    hidden states and per-token numbers, a small fraction of that."""
+    head, hidden, tokens = _head_case(vocab=400, hidden=4)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    def saved_bytes(fn):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, entropy = fn()
+        (logp.sum() + entropy.sum()).backward()
+        return sum(saved)
+
+    logits_bytes = 3 * 7 * 400 * 4
+    whole = saved_bytes(lambda: token_logprobs(head(hidden), tokens))
+    monkeypatch.setattr(logprobs_module, "HEAD_CHUNK_ELEMENTS", 400 * 4)  # 4 tokens of logits a chunk
+    chunked = saved_bytes(lambda: head_logprobs(head, hidden, tokens, 400))
+    assert whole >= logits_bytes
+    assert chunked < logits_bytes / 4, (chunked, whole)

@@ -315,14 +315,14 @@ def test_k3_kl_in_the_loss_ignores_what_sits_on_padding(cfg_for, tmp_path, monke
     cfg = cfg_for(kl_in="loss", kl_estimator="k3", kl_coef=0.04, stop_tokens=",".join(str(i) for i in range(40, 400)),
                   total_updates=1)
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=index_reward)
-    pad, logprobs, padded = trainer.tokenizer.pad_token_id, update_module.token_logprobs, []
+    pad, logprobs, padded = trainer.tokenizer.pad_token_id, update_module.head_logprobs, []
 
-    def unlikely_padding(logits, targets, temperature):
-        logp, entropy = logprobs(logits, targets, temperature)
+    def unlikely_padding(head, hidden, targets, vocab, temperature):
+        logp, entropy = logprobs(head, hidden, targets, vocab, temperature)
         padded.append(int((targets == pad).sum()))
         return logp - 200.0 * (targets == pad), entropy
 
-    monkeypatch.setattr(update_module, "token_logprobs", unlikely_padding)
+    monkeypatch.setattr(update_module, "head_logprobs", unlikely_padding)
     metrics, _ = trainer.train_one_update()
     assert sum(padded) > 0  # the case exists
     assert metrics["guard/skipped_steps"] == 0

@@ -8,10 +8,13 @@ import signal
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
+import ppoforge.lm.models.logprobs as logprobs_module
 from ppoforge.cli import main
 from ppoforge.config import build_config
+from ppoforge.lm.models.parts import head_size
 from ppoforge.lm.models.rows import padded
 from ppoforge.lm.rl import build
 from ppoforge.lm.rl.build import attention_for
@@ -42,6 +45,10 @@ def cfg_for(tiny_lm_dir, prompts_file):
                       seed=0, torch_threads=1, progress=False, tensorboard=False)
         return build_config(RLHFConfig, {**values, **overrides})
     return make
+
+
+def _grads(trainer):
+    return {n: p.grad.detach().clone() for n, p in trainer.layout.named_trainable() if p.grad is not None}
 
 
 def _snapshot(named):
@@ -149,6 +156,53 @@ def test_update_one_is_exactly_on_policy_and_at_the_reference(cfg_for, tmp_path,
     for f, p in ((logp, p_logp), (values, p_values), (ref, p_ref)):
         torch.testing.assert_close(f * m, p * m, **tol)
 
+
+def _update_recording_grads(trainer, monkeypatch):
+    """One update: its metrics, the gradients its optimizer steps on, and how many head chunks were
+    checkpointed."""
+    calls, step, grads = [], trainer.optimizer.step, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return checkpoint(*args, **kwargs)
+
+    def recorded():  # Adam's first step is ~lr * sign(grad): compare the gradients, not the weights
+        grads.append(_grads(trainer))
+        step()
+
+    monkeypatch.setattr(logprobs_module, "checkpoint", counted)
+    monkeypatch.setattr(trainer.optimizer, "step", recorded)
+    metrics, _ = trainer.train_one_update()
+    return metrics, grads, calls
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["lora", "lora-critic", "full"])
+def test_the_lm_head_by_chunks_is_the_same_update(cfg_for, tmp_path, monkeypatch, layout, precision):
+    """`head_logprobs` with the logits of a micro-batch split into chunks of 5 tokens (checkpointed: the
+    backward recomputes them): update 1 is still exactly on policy and at the reference, and the update's
+    losses and gradients are the unchunked run's."""
+    runs = {}
+    for chunked in (False, True):
+        trainer = RLHFTrainer(cfg_for(layout=layout, precision=precision, old_logprobs="recompute",
+                                      learning_rate=1e-3 if layout == "full" else 1e-2), tmp_path / str(chunked),
+                              reward_fn=word_reward)
+        vocab = head_size(trainer.layout.policy_model)
+        monkeypatch.setattr(logprobs_module, "HEAD_CHUNK_ELEMENTS", 5 * vocab if chunked else 1 << 40)
+        metrics, grads, calls = _update_recording_grads(trainer, monkeypatch)
+        assert bool(calls) == chunked and len(grads) == 1
+        runs[chunked] = metrics, grads[0]
+    (metrics, grads), (plain, plain_grads) = runs[True], runs[False]
+    assert metrics["val/ratio"] == 1 and metrics["policy/approxkl_avg"] == 0 and metrics["objective/kl"] == 0
+    for key in ("loss/policy_avg", "policy/entropy_avg", "loss/value_avg"):
+        if key in plain:
+            assert metrics[key] == pytest.approx(plain[key], abs=1e-6), key
+    assert grads.keys() == plain_grads.keys()
+    for name, g in grads.items():
+        if precision == "fp32":
+            torch.testing.assert_close(g, plain_grads[name], atol=1e-6, rtol=1e-5)
+        else:  # bf16 rounds each chunk's head-weight gradient (full layout) before the sum: equal to bf16 rounding
+            assert (g - plain_grads[name]).norm() <= 2 ** -8 * plain_grads[name].norm(), name
 
 
 @pytest.mark.parametrize("layout", ["lora", "full"])

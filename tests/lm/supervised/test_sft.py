@@ -187,6 +187,29 @@ def test_sft_batches_without_a_padding_mask_score_every_example_as_it_scores_alo
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["full", "lora"])
+def test_sft_loss_through_the_lm_head_by_chunks_is_the_whole_heads(tmp_path, tiny_lm_dir, sft_file, monkeypatch,
+                                                                   layout):
+    """The LM head applied 7 target tokens at a time (checkpointed) gives the loss and every gradient of the
+    head applied at once."""
+    import ppoforge.lm.models.logprobs as logprobs_module
+    from ppoforge.lm.supervised.sft import SFTObjective
+
+    objective = SFTObjective(_sft_cfg(tiny_lm_dir, sft_file, layout=layout, packing=True), tmp_path)
+    items = objective.train_items[:4]
+    out = {}
+    for tokens_per_chunk in (7, 1 << 30):
+        monkeypatch.setattr(logprobs_module, "HEAD_CHUNK_ELEMENTS", tokens_per_chunk * objective.vocab)
+        loss, _ = objective.loss(items)
+        params = [p for _, p in objective.trainable()]
+        out[tokens_per_chunk] = loss.detach(), torch.autograd.grad(loss, params)
+    (loss, grads), (whole_loss, whole_grads) = out[7], out[1 << 30]
+    assert objective.units(items) > 7 * 3  # several chunks
+    torch.testing.assert_close(loss, whole_loss, atol=1e-6, rtol=1e-6)
+    for g, w in zip(grads, whole_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
 def test_causal_reward_model_batches_score_each_pair_as_alone(tmp_path, tiny_reward_model_dir, pairs_file):
     from ppoforge.lm.models.loading import is_causal
     from ppoforge.lm.supervised.reward_model import RewardObjective

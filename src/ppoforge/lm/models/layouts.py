@@ -136,10 +136,17 @@ class LoraLayout:
         and applies the adapter unmerged each step, as the trainer's forward does; the HF forward runs on
         merged weights over an fp32 base (exact to fp32 rounding), else unmerged."""
         if self._lean is not None:
-            return contextlib.nullcontext(self._lean)
+            return self._lean_decoder()
         if self.policy_model.get_input_embeddings().weight.dtype == torch.float32:
             return yielding(merged_lora(self.peft), HFDecoder(self.policy_model))
         return contextlib.nullcontext(HFDecoder(self.policy_model))
+
+    @contextlib.contextmanager
+    def _lean_decoder(self):
+        try:
+            yield self._lean
+        finally:
+            self._lean.drop_cache()
 
     def _use_adapter(self, name: str) -> None:
         # peft's set_adapter also flips requires_grad off on the inactive adapter, which would stop its

@@ -9,13 +9,23 @@ softmax chunk by chunk in backward instead of letting autograd keep every fp32 c
 
 The sampler (one decode step, (B, V)) and the trainer ((B, T, V)) both call `token_logprobs`, so the
 log-prob stored at sampling time and the one recomputed in the update are the same function of the logits.
+
+`head_logprobs` goes one step further back: where a batch's logits exceed two chunks, it applies the LM
+head itself to `HEAD_CHUNK_ELEMENTS` worth of tokens at a time, and under autograd keeps only each
+chunk's hidden states, recomputing its logits in backward (activation checkpointing of the head). At
+SmolLM2's 49k vocabulary and 8 x 512 response tokens, the logits and their gradient are 1.6 GiB in
+fp32; chunked they are a few hundred MiB.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk: 64 MiB of working memory
+HEAD_CHUNK_ELEMENTS = 1 << 25  # logits per chunk of `head_logprobs`: 128 MiB in fp32
 
 
 def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -96,4 +106,34 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         logp, ent = _TokenLogProbs.apply(flat_logits, flat_tokens, float(temperature), chunk)
         return logp.view(shape), (ent.view(shape) if entropy else None)
     logp, ent, _ = _forward_chunks(flat_logits, flat_tokens, float(temperature), chunk, entropy)
+    return logp.view(shape), (ent.view(shape) if entropy else None)
+
+
+def head_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tokens: torch.Tensor,
+                  vocab: int, temperature: float = 1.0, *, entropy: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs(head(hidden), tokens)`, the head applied to chunks of the flattened tokens.
+
+    hidden (..., H), tokens (...), `vocab` the head's output size -> (...) fp32 tensors. Where the logits
+    fit in two chunks this is exactly `token_logprobs(head(hidden), ...)`. Larger, each chunk runs alone;
+    with grad enabled it is checkpointed, so backward recomputes its logits (the same kernels on the same
+    rows: the same numbers) instead of autograd keeping every chunk's logits and their gradient alive —
+    at the price of one more head GEMM (measured: +3.6 % of a 512-token GRPO step, for 1.5 GiB less).
+    Two calls on the same shapes chunk alike, so a no-grad pass and a training pass agree bit for bit.
+    """
+    shape = tokens.shape
+    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    n, step = flat_tokens.numel(), max(1, HEAD_CHUNK_ELEMENTS // vocab)
+
+    def chunk(h: torch.Tensor, t: torch.Tensor):
+        return token_logprobs(head(h), t, temperature, entropy=entropy)
+
+    if n <= 2 * step:  # small enough to keep: no recomputation (it costs one more head GEMM in backward)
+        logp, ent = chunk(flat_hidden, flat_tokens)
+    else:
+        grad = torch.is_grad_enabled()
+        parts = [checkpoint(chunk, flat_hidden[s:s + step], flat_tokens[s:s + step], use_reentrant=False)
+                 if grad else chunk(flat_hidden[s:s + step], flat_tokens[s:s + step]) for s in range(0, n, step)]
+        logp = torch.cat([p[0] for p in parts])
+        ent = torch.cat([p[1] for p in parts]) if entropy else None
     return logp.view(shape), (ent.view(shape) if entropy else None)

@@ -185,6 +185,11 @@ class CriticTrunk(nn.Module):
 
 
 # ---- the LM head in fp32 ------------------------------------------------------------------------------
+def head_size(lm: nn.Module) -> int:
+    """The vocabulary the LM head of `lm` scores (its output size)."""
+    return lm.get_output_embeddings().weight.shape[0]
+
+
 def head_in_fp32(lm: nn.Module) -> nn.Module:
     """`lm_head_fp32`: the output embedding of `lm` computes in fp32 under autocast, from the fp32 hidden
     state (weights stored in bf16 are upcast, exactly). Under bf16 autocast the head's logits are otherwise

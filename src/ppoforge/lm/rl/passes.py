@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 
 from ppoforge.lm.models.layouts import Layout
-from ppoforge.lm.models.logprobs import token_logprobs
+from ppoforge.lm.models.logprobs import head_logprobs
+from ppoforge.lm.models.parts import head_size
 from ppoforge.lm.models.rows import TokenRows, padded
 from ppoforge.lm.models.sampler import Samples
 from ppoforge.runtime import distributed
@@ -39,6 +40,7 @@ class RolloutPasses:
                  critic: bool = True, reference: bool = True, policy: bool = True,
                  rows_for: Callable[[torch.Tensor, torch.Tensor, int], TokenRows] = padded):
         self.layout, self.temperature, self.chunk_rows, self.where = layout, temperature, chunk_rows, where
+        self.vocab = head_size(layout.policy_model)
         self.rows_for = rows_for  # the rollout -> the rows its forwards run (lm/models/rows.py)
         self.critic, self.reference = critic, reference
         trust = {"sampler": True, "recompute": False, "auto": None}[mode]
@@ -66,10 +68,11 @@ class RolloutPasses:
         return logp, values, ref
 
     def _logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
-        """fp32 log-probs of resp (B, T) from hidden (B, T, H), the LM head applied `chunk_rows` rows at a time."""
+        """fp32 log-probs of resp (B, T) from hidden (B, T, H), `chunk_rows` rows at a time: the training
+        micro-batch's rows, chunked as `head_logprobs` chunks them there (the same numbers)."""
         step = self.chunk_rows
-        return torch.cat([token_logprobs(head(hidden[s:s + step]), resp[s:s + step], self.temperature,
-                                         entropy=False)[0] for s in range(0, resp.shape[0], step)])
+        return torch.cat([head_logprobs(head, hidden[s:s + step], resp[s:s + step], self.vocab, self.temperature,
+                                        entropy=False)[0] for s in range(0, resp.shape[0], step)])
 
     def _policy_plain(self, rows: TokenRows, samples: Samples):
         """Log-probs and values from one training forward of the policy (and the critic)."""

@@ -22,7 +22,8 @@ from ppoforge.core.losses import value_loss
 from ppoforge.core.policy_losses import POLICY_LOSSES
 from ppoforge.core.stats import masked_mean
 from ppoforge.lm.models.layouts import Layout
-from ppoforge.lm.models.logprobs import token_logprobs
+from ppoforge.lm.models.logprobs import head_logprobs
+from ppoforge.lm.models.parts import head_size
 from ppoforge.lm.models.rows import RowPlan, unit_order
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.rollout import Rollout
@@ -48,6 +49,7 @@ class PPOUpdate:
         self.policy_loss = POLICY_LOSSES[cfg.policy_loss]  # ppo, gspo or cispo (core/policy_losses.py)
         self.micro_batch = cfg.micro_batch_size  # halved on out-of-memory
         self.unit = 1  # the last update's shared-prefix unit size (1: padded rows), perf/shared_prefix_unit
+        self.vocab = head_size(layout.policy_model)
 
     def __call__(self, b: Rollout, optimizer: torch.optim.Optimizer, beta: float) -> dict[str, torch.Tensor]:
         """ppo_epochs x shuffled mini-batches x accumulated micro-batches; loss-unit-weighted loss stats,
@@ -101,6 +103,10 @@ class PPOUpdate:
         totals, self.micro_batch = retry_halving(attempt, self.micro_batch, "micro-batch", retry=not self.sharded)
         return totals
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            return self.layout.logits(hidden)
+
     def _micro_batch(self, b: Rollout, micro: torch.Tensor, mb_units: torch.Tensor, mb_tokens: torch.Tensor,
                      beta: float) -> torch.Tensor:
         """Forward/backward of rows `micro`, its loss weighted by its share of the mini-batch's loss units;
@@ -108,9 +114,8 @@ class PPOUpdate:
         cfg, n_resp, m, reduce = self.cfg, b.resp.shape[1], b.resp_mask[micro], self.agg.reduce
         with self.precision.autocast():
             hidden, values = self.layout.forward(self.plan.rows(b.ids[micro], b.mask[micro], n_resp))
-            logits = self.layout.logits(hidden)
         with self.precision.full_precision():
-            logp, entropy = token_logprobs(logits, b.resp[micro], cfg.temperature)
+            logp, entropy = head_logprobs(self._logits, hidden, b.resp[micro], self.vocab, cfg.temperature)
             old_logp, adv = (logp.detach() if cfg.on_policy else b.logp[micro]), b.adv[micro]
             pg_loss, pg = self.policy_loss(logp, old_logp, adv, cfg.clip, m, cfg.clip_high, reduce)
             ent = masked_mean(entropy, m)

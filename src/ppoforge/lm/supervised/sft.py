@@ -19,8 +19,15 @@ import torch
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import as_attention_bias, left_pad
 from ppoforge.lm.models.loading import load_causal_lm
-from ppoforge.lm.models.logprobs import token_logprobs
-from ppoforge.lm.models.parts import Trunk, enable_gradient_checkpointing, export_model, lora_config, lora_wrap
+from ppoforge.lm.models.logprobs import head_logprobs
+from ppoforge.lm.models.parts import (
+    Trunk,
+    enable_gradient_checkpointing,
+    export_model,
+    head_size,
+    lora_config,
+    lora_wrap,
+)
 from ppoforge.lm.models.sampler import SamplingParams, sample
 from ppoforge.lm.supervised.config import SFTConfig
 from ppoforge.lm.supervised.examples import Example, sft_examples
@@ -51,6 +58,7 @@ class SFTObjective:
                       if cfg.layout == "lora" else model.train(False))
         self.lm = self.model.get_base_model() if cfg.layout == "lora" else self.model
         self.trunk = Trunk(self.lm).eval()
+        self.vocab = head_size(self.lm)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.lm)
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if cfg.layout == "full" or "lora_" in n]
@@ -91,7 +99,8 @@ class SFTObjective:
         hidden = self.trunk(input_ids=batch.ids, use_cache=False, **masks)
         targets = batch.loss_mask[:, 1:].bool()
         hidden = hidden[:, :-1][targets]  # (N, H): positions that predict a target
-        return token_logprobs(self.lm.get_output_embeddings()(hidden), batch.ids[:, 1:][targets], entropy=False)[0]
+        return head_logprobs(self.lm.get_output_embeddings(), hidden, batch.ids[:, 1:][targets], self.vocab,
+                             entropy=False)[0]
 
     def loss(self, items):
         logp = self._target_logprobs(items)
