@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ppoforge.errors import EXIT_FAULT, EXIT_USER, Fault, UserError, classify
-from ppoforge.runtime import rundir, trust
+from ppoforge.runtime import allocator, rundir, trust
 from ppoforge.runtime.oom import halve, is_oom
 from ppoforge.runtime.resilience import NonFiniteGuard, Rollback, RunGuard, nbytes
 from ppoforge.runtime.signals import StopFlag
@@ -166,8 +166,17 @@ def test_oom_is_recognised_and_halved():
     assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory"))
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
     assert halve(8, "micro-batch", RuntimeError("x")) == 4
-    with pytest.raises(Fault, match=r"^out of memory with micro-batch 1"):
+    with pytest.raises(Fault, match=r"^out of memory with micro-batch 1") as fault:
         halve(1, "micro-batch", RuntimeError("x"))
+    assert ("PPOFORGE_MALLOC_TUNING=0" in str(fault.value)) == allocator.tuned()
+
+
+def test_at_the_last_size_the_oom_line_names_the_malloc_tuning_only_where_it_is_in_effect(monkeypatch):
+    for tuned in (True, False):
+        monkeypatch.setattr(allocator, "_applied", tuned)
+        with pytest.raises(Fault) as fault:
+            halve(1, "generation batch", RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+        assert ("PPOFORGE_MALLOC_TUNING=0" in str(fault.value)) == tuned
 
 
 # ---- errors ----------------------------------------------------------------------------------------
