@@ -33,7 +33,8 @@ def is_oom(e: BaseException) -> bool:
 def halve(size: int, what: str, e: BaseException) -> int:
     """The next size to try after an OOM at `size` (said once on stderr); Fault when `size` is 1."""
     if size <= 1:
-        malloc = ", PPOFORGE_MALLOC_TUNING=0 (CPU: ~13 % less peak memory, slower)" if allocator.tuned() else ""
+        malloc = (", jemalloc preloaded or PPOFORGE_MALLOC_TUNING=0 (CPU: less peak memory, a little slower; "
+                  "docs/rlhf.md)" if allocator.tuned() else "")
         raise Fault(f"out of memory with {what} 1 ({str(e).splitlines()[0][:120]}); allowed: a smaller model, "
                     f"shorter sequences{malloc} or a device with more memory")
     gc.collect()
