@@ -11,6 +11,7 @@ from ppoforge.doctor.system import (
     check_cpu,
     check_python_torch,
     gather_torch,
+    malloc_in_use,
     matmul_gflops,
     read_cpuinfo,
 )
@@ -65,6 +66,19 @@ def test_bf16_on_a_cpu_without_the_fast_path_warns():
 
 def test_single_core_warns():
     assert check_cpu(replace(CPU, cores=1), "fp32", "cpu").status == "warn"
+
+
+def test_the_cpu_check_names_the_malloc_and_how_to_preload_jemalloc(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert malloc_in_use(str(maps)) == "glibc" and malloc_in_use(str(tmp_path / "none")) == "glibc"
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n")
+    assert malloc_in_use(str(maps)) == "jemalloc"
+    assert "malloc: glibc (where memory binds, preload jemalloc: LD_PRELOAD=libjemalloc.so.2)" in check_cpu(
+        replace(CPU, jemalloc="libjemalloc.so.2"), "fp32", "cpu").evidence
+    assert "install libjemalloc2" in check_cpu(CPU, "fp32", "cpu").evidence
+    r = check_cpu(replace(CPU, allocator="jemalloc"), "fp32", "cpu")
+    assert r.status == "ok" and r.evidence.endswith("; malloc: jemalloc")
 
 
 def test_matmul_gflops_measures_something():
