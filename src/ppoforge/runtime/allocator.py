@@ -5,12 +5,13 @@ threshold. A PPO step allocates and frees the same large tensors every micro-bat
 the weights, fp32 gradients, a (vocab, hidden) dense embedding gradient — so each one is faulted in
 page by page again, every time. On the `smollm2` benchmark in the full layout that was ~1.3 s of a
 ~7 s PPO update (a 3.5 MB gradient cast took 2.7 ms instead of ~0.3 ms; zero-filling the 113 MB
-embedding gradient 140 ms). Raising the mmap and trim thresholds keeps those pages mapped and reused:
-the effect PyTorch's CPU performance guide gets by preloading jemalloc or tcmalloc, without a
-preload. The price is memory: the process keeps its peak heap until it exits, and freed blocks too
-small or too scattered for the next tensor stay resident, so the peak RSS grows — on a 512-token GRPO
-step at SmolLM2's size, 14.9 GiB against 13.0 without the tuning, which was 15 % slower (87.5 against
-101.0 s). `PPOFORGE_MALLOC_TUNING=0` leaves malloc alone; other C libraries (musl, macOS) are left alone.
+embedding gradient 140 ms). Raising the mmap and trim thresholds keeps those pages mapped and reused,
+without a preload. The price is memory: the process keeps its peak heap until it exits, and freed
+blocks too small or too scattered for the next tensor stay resident, so the peak RSS grows — on a
+512-token GRPO step at SmolLM2's size, 14.9 GiB against 13.0 without the tuning, which was 15 % slower
+(87.5 against 101.0 s). Where memory binds, jemalloc preloaded does better than either (8.9 GiB,
+~97 s: its size classes do not fragment; docs/rlhf.md); under it this tuning does nothing (it is
+glibc's). `PPOFORGE_MALLOC_TUNING=0` leaves malloc alone; other C libraries (musl, macOS) are left alone.
 """
 
 from __future__ import annotations
