@@ -61,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ppoforge-precision", default="auto", choices=["fp32", "bf16", "auto"])
     p.add_argument("--ppoforge-lm-head-fp32", action="store_true",
                    help="ppoforge's lm_head_fp32: the LM head in fp32 under bf16 (docs/rlhf.md)")
+    p.add_argument("--ppoforge-emulate-bf16", action="store_true",
+                   help="with --ppoforge-precision bf16 on a CPU without native bf16: its matmuls computed as "
+                        "bf16 hardware rounds them, at fp32 speed (bf16_emulation.py)")
     p.add_argument("--ppoforge-batch", type=int, default=None,
                    help="ppoforge's prompts per update (default: the preset's 4, as TRL's): what its faster "
                         "steps can buy; one optimizer step per rollout either way")
@@ -258,7 +261,8 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
         cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
                "--precision", args.ppoforge_precision,
                *(["--batch-size", str(args.ppoforge_batch)] if args.ppoforge_batch else []),
-               *(["--lm-head-fp32"] if args.ppoforge_lm_head_fp32 else [])]
+               *(["--lm-head-fp32"] if args.ppoforge_lm_head_fp32 else []),
+               *(["--emulate-bf16"] if args.ppoforge_emulate_bf16 else [])]
     else:
         cmd = [str(trl_python(Path(args.trl_venv))), str(HERE / "trl_learning_worker.py"), *common,
                "--model-dir", str(model_dir), "--precision", args.trl_precision]
@@ -266,7 +270,8 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
           + (f" or {args.max_updates} updates" if args.max_updates else ""), flush=True)
     load = run(cmd, args, out.with_suffix(".log"))
     info = json.loads((out / "run.json").read_text())
-    label = (f"ppoforge {info['version']} ({info['resolved_precision']}, "
+    label = (f"ppoforge {info['version']} ({info['resolved_precision']}"
+             f"{' emulated' if info.get('emulate_bf16') else ''}, "
              f"{info['settings']['batch_size']} prompts/update)" if name == "ppoforge"
              else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
     return {"label": label, "run": info, "load": load, "dir": str(out),

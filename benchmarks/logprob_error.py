@@ -8,7 +8,9 @@ forward over prompt + completion, `token_logprobs` at the response positions) fi
 - bf16: autocast, the LM head in bf16 too (what `precision: bf16` computes by default);
 - bf16, fp32 head: autocast for the body, the head in fp32 (`lm_head_fp32: true`);
 - fp32 body, logits rounded to bf16: isolates the head's output rounding;
-- fp32 body, hidden state rounded to bf16 before an fp32 head: isolates the head's input rounding.
+- fp32 body, hidden state rounded to bf16 before an fp32 head: isolates the head's input rounding;
+- with `--emulated`, also bf16 as bf16_emulation.py computes it at fp32 speed, against fp32 and against
+  this CPU's own bf16 kernels (the last row): how far the emulation is from the real thing.
 
 Printed per variant: mean and max |delta log p| per token against fp32, the mean |delta| of each
 completion's summed log-prob (what a sequence-level ratio such as GSPO's sees, before its length
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from bf16_emulation import EmulatedBf16Matmuls
 from ppoforge.lm.models.attention import causal_mask, position_ids
 from ppoforge.lm.models.loading import load_causal_lm, load_tokenizer
 from ppoforge.lm.models.logprobs import token_logprobs
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--emulated", action="store_true", help="add bf16 emulated at fp32 speed (bf16_emulation.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
@@ -88,6 +92,9 @@ def main() -> None:
     variants = {"bf16": logp(h16, True),
                 "fp32 body, logits rounded to bf16": logp(h32, False, round_logits=True),
                 "fp32 body, hidden rounded to bf16": logp(h32, False, round_hidden=True)}
+    if args.emulated:
+        with EmulatedBf16Matmuls():
+            variants["bf16 emulated"] = logp(hidden(True), True)
     head_in_fp32(model)  # last: the option as a run applies it, from here on
     variants = {"bf16": variants.pop("bf16"), "bf16, fp32 head": logp(h16, True), **variants}
     result = {"model": args.model, "completions": args.completions, "tokens": int(keep.sum()),
@@ -95,10 +102,13 @@ def main() -> None:
               "torch": torch.__version__, "variants": {}}
     print(f"{int(keep.sum())} sampled tokens, {args.completions} completions (mean length {result['mean_len']:.1f})")
     print(f"{'variant':36s} {'mean |dlogp|':>12s} {'max |dlogp|':>12s} {'mean |d seq logp|':>18s} {'KL k3':>10s}")
-    for name, lp in variants.items():
+    rows = [(name, lp, exact) for name, lp in variants.items()]
+    if args.emulated:
+        rows.append(("bf16 emulated, against bf16", variants["bf16 emulated"], variants["bf16"]))
+    for name, lp, exact in rows:
         d = (lp - exact)[keep]
         seq = ((lp - exact) * out.response_mask).sum(1).abs().mean()
-        log_ratio = (lp - exact)[keep]  # log q/p at tokens drawn from p (fp32): k3 = e^r - 1 - r
+        log_ratio = (lp - exact)[keep]  # log q/p at tokens drawn from p (the reference): k3 = e^r - 1 - r
         k3 = (log_ratio.exp() - 1 - log_ratio).mean()
         row = {"mean_abs": d.abs().mean().item(), "max_abs": d.abs().max().item(), "seq_mean_abs": seq.item(),
                "kl_k3": k3.item()}

@@ -38,6 +38,8 @@ def parse_args() -> argparse.Namespace:
                    help="a snapshot after every this many updates (instead of --every-s)")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="auto")
     p.add_argument("--lm-head-fp32", action="store_true", help="lm_head_fp32: the LM head in fp32 under bf16")
+    p.add_argument("--emulate-bf16", action="store_true",
+                   help="bf16 matmuls computed as bf16 hardware rounds them, at fp32 speed (bf16_emulation.py)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="prompts per update (default: the preset's 4); still one optimizer step per rollout")
     p.add_argument("--seed", type=int, default=0)
@@ -59,6 +61,9 @@ def main() -> None:
     from ppoforge.runtime.precision import resolve_precision
 
     keep_freed_memory()  # as the `ppoforge` command does at its entry
+    if args.emulate_bf16:
+        import bf16_emulation
+        bf16_emulation.install()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +102,7 @@ def main() -> None:
                     mark += args.every_s
     (out / "run.json").write_text(json.dumps({
         "framework": "ppoforge", "version": ppoforge.__version__, "torch": torch.__version__,
-        "precision": args.precision, "lm_head_fp32": args.lm_head_fp32,
+        "precision": args.precision, "lm_head_fp32": args.lm_head_fp32, "emulate_bf16": args.emulate_bf16,
         "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
         "updates": trainer.update, "train_s": trained, "completions_per_update": cfg.batch_size * cfg.num_generations,
         "settings": {k: getattr(cfg, k) for k in ("num_generations", "batch_size", "learning_rate", "lora_r",
