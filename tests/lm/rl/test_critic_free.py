@@ -371,3 +371,35 @@ def test_a_grpo_step_has_the_textbook_gradient_of_a_plain_forward(cfg_for, tmp_p
     assert any(g.abs().sum() > 0 for n, g in seen["grads"].items() if "lora_A" in n)
     for n, p in named.items():
         torch.testing.assert_close(seen["grads"][n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def _signal_then_flat():
+    """A reward with a signal in the first rollout only; every later one scores all alike (a flat rollout)."""
+    calls = []
+
+    def reward(prompts, completions, **kwargs):
+        calls.append(1)
+        return index_reward(prompts, completions) if len(calls) == 1 else [0.0] * len(completions)
+    return reward
+
+
+@pytest.mark.parametrize("skip,other_term,steps", [(True, {}, False), (False, {}, True),
+                                                   (True, {"ent_coef": 0.1}, True),
+                                                   (True, {"kl_coef": 0.05, "kl_estimator": "k3"}, True)])
+def test_a_flat_rollout_makes_no_optimizer_step_unless_the_loss_has_another_term(cfg_for, tmp_path, skip,
+                                                                                 other_term, steps):
+    """After a rollout with a signal, Adam's momentum alone moves the weights on a rollout whose advantages are
+    all 0; `skip_flat_rollouts` keeps them where they are. An entropy bonus or GRPO's KL loss (terms that
+    still have a gradient) is stepped on as before."""
+    cfg = cfg_for(skip_flat_rollouts=skip, mini_batch_size=8, micro_batch_size=4,
+                  **{"kl_coef": 0.0, "kl_in": "loss", **other_term})
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=_signal_then_flat())
+    first, _ = trainer.train_one_update()
+    assert first["guard/flat_rollout_skipped"] == 0 and math.isfinite(first["loss/policy_avg"])
+    before = _snapshot(trainer.layout.named_trainable())
+    second, _ = trainer.train_one_update()
+    assert second["objective/scores"] == 0 and second["reward_std"] == 0
+    moved = any(not torch.equal(p, before[n]) for n, p in trainer.layout.named_trainable())
+    assert moved == steps
+    assert second["guard/flat_rollout_skipped"] == float(not steps)
+    assert math.isnan(second["loss/policy_avg"]) == (not steps)

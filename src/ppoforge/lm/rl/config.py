@@ -99,6 +99,9 @@ class RLHFConfig(FaultConfig):
                               choices=SCORING_MODES, resume=True)
     whiten_rewards: bool = param(False, "whiten per-token rewards (mean kept) before GAE")
     max_grad_norm: float = param(1.0, "global gradient-norm clip", gt=0, hi=1e9)
+    skip_flat_rollouts: bool = param(True, "a rollout whose advantages are all 0 (every group's scores agree) and "
+                                     "whose loss has no other term (no critic, KL loss or entropy bonus) makes no "
+                                     "optimizer step: Adam's momentum would keep moving the policy with no evidence")
     # ---- critic-free estimators (GRPO, RLOO, REINFORCE++) and their loss options (docs/rlhf.md)
     advantage: str = param("gae", "advantage estimator: gae (PPO, with a critic); critic-free: grpo and rloo "
                            "(each prompt's num_generations completions as baseline), reinforce_pp (REINFORCE++: "
@@ -231,6 +234,11 @@ class RLHFConfig(FaultConfig):
     def kl_loss(self) -> bool:
         """The loss carries beta * KL_t of the current policy (kl_in: loss with a reference pass), GRPO's."""
         return self.kl_in == "loss" and self.kl_coef > 0
+
+    @property
+    def loss_is_policy_gradient_only(self) -> bool:
+        """The loss is the policy-gradient term alone: all-zero advantages make its gradient 0."""
+        return not self.has_critic and not self.kl_loss and self.ent_coef == 0
 
     @property
     def on_policy(self) -> bool:

@@ -211,7 +211,9 @@ class RLHFTrainer:
         trained = replace(b, resp_mask=finished_mask(b.resp_mask, batch.samples.finished, cfg.mask_truncated))
         trained = gather_rollout(trained, self.tokenizer.pad_token_id) if self.sharded else trained
         skipped = torch.tensor(float("nan"), device=b.resp.device)
-        stats = self.ppo_update(trained) if finite else dict.fromkeys(sum(cfg.stat_keys, ()), skipped)
+        flat = self.flat_rollout(b)
+        stats = (self.ppo_update(trained) if finite and not flat
+                 else dict.fromkeys(sum(cfg.stat_keys, ()), skipped))
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
@@ -224,6 +226,7 @@ class RLHFTrainer:
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
         metrics.update({**self.guard.counts, **dynamic, "guard/micro_batch_size": self.ppo.micro_batch,
+                        "guard/flat_rollout_skipped": float(flat),
                         "perf/shared_prefix_unit": self.ppo.unit,
                         "guard/generation_batch_size": self.collector.gen_batch,
                         "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
@@ -279,6 +282,16 @@ class RLHFTrainer:
         m = samples.response_mask
         return Rollout(batch.ids, mask, samples.response_ids, m, _masked(logp, m), _masked(ref_logp, m),
                        _masked(values, m), scores, batch.turn_rewards)
+
+    def flat_rollout(self, b: Rollout) -> bool:
+        """`skip_flat_rollouts`: is there nothing to learn from this rollout? Every advantage 0, over all ranks,
+        and a loss with no other term: its gradient is 0, and a step would only replay Adam's momentum (an
+        earlier rollout's direction, at up to ~10x one step in all over the next updates). On the harder
+        arithmetic variant (docs/benchmarks.md) such steps, after the one rollout that scored, pinned a
+        policy to a confident wrong answer. The metrics report the NaN of an update that did not train."""
+        if not (self.cfg.skip_flat_rollouts and self.cfg.loss_is_policy_gradient_only):
+            return False
+        return not bool(distributed.all_sum(b.adv.abs().sum()).item())
 
     def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
         """The PPO epochs over rollout `b` (lm/rl/update.py): its mean loss and stats."""
