@@ -217,7 +217,7 @@ class CollapseGuard:
         what = f"the policy degenerated for {self.patience} updates in a row (update {update}: {'; '.join(signs)})"
         if self.action == "rollback":
             raise Rollback(what)
-        raise Fault(f"{what}: stopped; allowed: a lower learning_rate, precision fp32 (or lm_head_fp32: true), "
+        raise Fault(f"{what}: stopped; allowed: a lower learning_rate, precision fp32, dynamic_sampling: true, "
                     "a smaller clip_high, kl_coef > 0, or collapse_action: rollback, or collapse_patience: 0 (off)")
 
     def state_dict(self) -> dict:
