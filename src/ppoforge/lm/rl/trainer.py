@@ -287,7 +287,7 @@ class RLHFTrainer:
         """`skip_flat_rollouts`: is there nothing to learn from this rollout? Every advantage 0, over all ranks,
         and a loss with no other term: its gradient is 0, and a step would only replay Adam's momentum (an
         earlier rollout's direction, at up to ~10x one step in all over the next updates). On the harder
-        arithmetic variant (docs/benchmarks.md) such steps, after the one rollout that scored, pinned a
+        arithmetic variant (docs/benchmarks.md) 11 such steps, right after a rollout that scored, pinned a
         policy to a confident wrong answer. The metrics report the NaN of an update that did not train."""
         if not (self.cfg.skip_flat_rollouts and self.cfg.loss_is_policy_gradient_only):
             return False
