@@ -38,8 +38,6 @@ from ppoforge.lm.rl.trainer import RLHFTrainer
 from ppoforge.runtime.allocator import keep_freed_memory
 from ppoforge.runtime.precision import Precision
 
-INSTRUCTION = ("instruction=State the final answer to the following arithmetic problem: 4 %2B 1 = <answer>5</answer>"
-               "%0AState the final answer to the following arithmetic problem: 6 - 2 = <answer>4</answer>")
 PARTS = {"attention": lambda name, mod: type(mod).__name__.endswith("Attention"),
          "MLP": lambda name, mod: type(mod).__name__.endswith("MLP"),
          "LoRA": lambda name, mod: name.endswith((".lora_A.default", ".lora_B.default"))}
@@ -73,10 +71,12 @@ def main() -> None:
     args = p.parse_args()
     keep_freed_memory()
     torch.set_num_threads(args.threads)
-    task = (f"task:chain_sum?size=500&seed=1&min_terms=2&max_terms=2&min_digits={args.digits}"
-            f"&max_digits={args.digits}&{INSTRUCTION}")
+    preset = read_preset("arithmetic_demo", "rlhf")  # its task and few-shot header, at --digits operand digits
+    one_digit = "min_digits=1&max_digits=1"
+    assert one_digit in preset["prompts"], "the preset's task spec changed: update the digits rewrite"
+    task = preset["prompts"].replace(one_digit, f"min_digits={args.digits}&max_digits={args.digits}")
     cfg = build_config(RLHFConfig, {
-        **read_preset("arithmetic_demo", "rlhf"), "prompts": task, "heldout_prompts": None, "precision": "fp32",
+        **preset, "prompts": task, "heldout_prompts": None, "precision": "fp32",
         "total_updates": 10**6, "seed": args.seed, "torch_threads": args.threads, "checkpoint_every": 10**9,
         "tensorboard": False, "progress": False})
     trainer = RLHFTrainer(cfg, Path(tempfile.mkdtemp(prefix="bf16-gradient-")))

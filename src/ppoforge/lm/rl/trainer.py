@@ -210,10 +210,8 @@ class RLHFTrainer:
         #    with mask_truncated no loss on truncated responses, whose scores still made their group's baseline
         trained = replace(b, resp_mask=finished_mask(b.resp_mask, batch.samples.finished, cfg.mask_truncated))
         trained = gather_rollout(trained, self.tokenizer.pad_token_id) if self.sharded else trained
-        skipped = torch.tensor(float("nan"), device=b.resp.device)
-        flat = self.flat_rollout(b)
-        stats = (self.ppo_update(trained) if finite and not flat
-                 else dict.fromkeys(sum(cfg.stat_keys, ()), skipped))
+        skipped, flat = torch.tensor(float("nan"), device=b.resp.device), self.flat_rollout(b)
+        stats = self.ppo_update(trained) if finite and not flat else dict.fromkeys(sum(cfg.stat_keys, ()), skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)
