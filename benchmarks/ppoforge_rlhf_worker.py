@@ -87,7 +87,10 @@ def grpo_fields(args: argparse.Namespace, w: rlhf_workloads.Workload) -> dict:
     return {"advantage": "grpo", "num_generations": args.generations, "scale_rewards": "group",
             "loss_agg": "token_mean", "kl_in": "loss", "kl_estimator": "k3", "kl_coef": w.beta, "temperature": 1.0,
             "batch_size": args.prompts, "mini_batch_size": completions, "micro_batch_size": args.micro,
-            "max_new_tokens": args.new_tokens, "critic_model": None}
+            "max_new_tokens": args.new_tokens, "critic_model": None,
+            # TRL trains on every rollout; a flat one (every reward equal, as a small model's answers to
+            # a `reasoning` prompt often are) must cost the same forward and backward here to be timed alike
+            "skip_flat_rollouts": False}
 
 
 def main() -> None:

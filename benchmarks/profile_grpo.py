@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layout", choices=["full", "lora"], default="lora")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--shared-prefix", choices=["auto", "off"], default="auto")
+    p.add_argument("--attn", choices=["auto", "eager", "sdpa"], default="auto")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -108,7 +109,7 @@ def main() -> None:
                                          updates=args.updates, seed=0, threads=args.threads, grpo=True,
                                          prompts=args.prompts, generations=args.generations,
                                          new_tokens=args.new_tokens, micro=args.micro,
-                                         shared_prefix=args.shared_prefix, device="cpu")
+                                         shared_prefix=args.shared_prefix, attn=args.attn, device="cpu")
         trainer = RLHFTrainer(ppoforge_rlhf_worker.rlhf_config(w, wdir, worker_args, wdir / "prompts.jsonl"),
                               Path(tmp) / "run")
         clocks = {}
