@@ -144,11 +144,11 @@ def test_lean_llama_decoder_matches_hf_forward(monkeypatch, family, packing):
     MKL's, so to rounding only) and with plain F.linear."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ppoforge.lm.models import decoders
+    from ppoforge.lm.models import prepared
 
-    if packing and not decoders.onednn_packing(torch.float32):
+    if packing and not prepared.onednn_packing(torch.float32):
         pytest.skip("this torch cannot prepack fp32 weights for oneDNN")
-    monkeypatch.setattr(decoders, "onednn_packing", lambda dtype: packing)
+    monkeypatch.setattr(prepared, "onednn_packing", lambda dtype: packing)
     torch.manual_seed(0)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
@@ -163,7 +163,7 @@ def test_lean_llama_decoder_matches_hf_forward(monkeypatch, family, packing):
     lean, hf = LlamaDecoder(model), HFDecoder(model)
     with torch.inference_mode():
         torch.testing.assert_close(lean.prefill(ids, mask, 4)[0], hf.prefill(ids, mask, 4)[0], atol=1e-5, rtol=1e-5)
-        assert lean.linear is (decoders._packed_linear if packing else torch.nn.functional.linear)
+        assert lean.linear is (prepared.packed_linear if packing else torch.nn.functional.linear)
         for t, tok in enumerate([[3, 4, 5], [6, 7, 8], [9, 10, 11]]):
             tok = torch.tensor(tok)
             torch.testing.assert_close(lean.step(tok, t)[0], hf.step(tok, t)[0], atol=1e-5, rtol=1e-5)
@@ -171,9 +171,9 @@ def test_lean_llama_decoder_matches_hf_forward(monkeypatch, family, packing):
 
 @pytest.mark.parametrize("weights", ["fp32-autocast", "bf16"])
 def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weights):
-    from ppoforge.lm.models import decoders
+    from ppoforge.lm.models import prepared
 
-    if not decoders.onednn_packing():
+    if not prepared.onednn_packing():
         pytest.skip("this CPU cannot prepack bf16 weights for oneDNN (needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=97, **SMALL)).eval()
@@ -182,7 +182,7 @@ def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weight
     ids, mask = _left_padded([[5, 9, 13, 17, 21], [40, 41], [60, 61, 62]])
 
     def decode(packing: bool) -> tuple[list[torch.Tensor], object]:
-        monkeypatch.setattr(decoders, "onednn_packing", lambda dtype: packing)
+        monkeypatch.setattr(prepared, "onednn_packing", lambda dtype: packing)
         dec = LlamaDecoder(model)
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             out = [*dec.prefill(ids, mask, 3)] + [x for i, t in enumerate([[3, 4, 5], [6, 7, 8]])
@@ -192,7 +192,7 @@ def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weight
     plain, plain_linear = decode(False)
     packed, packed_linear = decode(True)
     assert plain_linear is torch.nn.functional.linear
-    assert packed_linear is decoders._packed_linear
+    assert packed_linear is prepared.packed_linear
     assert plain[0].dtype == torch.bfloat16  # the logits: bf16 matmuls
     for a, b in zip(plain, packed, strict=True):  # logits and final hidden states, per call
         assert a.dtype == b.dtype and torch.equal(a, b)

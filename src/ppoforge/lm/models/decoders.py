@@ -19,9 +19,7 @@ same prepared weights with the adapters off: the LoRA layout's reference pass.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -31,6 +29,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaModel
 
+from ppoforge.lm.models import prepared
 from ppoforge.lm.models.attention import as_attention_bias, causal_mask, chunk_attention, position_ids
 from ppoforge.lm.models.parts import head_computes_in_fp32
 from ppoforge.lm.models.rows import TokenRows
@@ -126,61 +125,6 @@ LINEARS = ("qkv", "o", "gate_up", "down")  # one matmul each per layer and token
 _NO_ADAPTERS = dict.fromkeys(LINEARS)
 
 
-def _concat(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack (weight, bias) pairs along the output dim: one matmul computes all of them."""
-    weight = torch.cat([w for w, _ in params])
-    if all(b is None for _, b in params):
-        return weight, None
-    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
-
-
-def _stack_adapters(adapters: list, out_features: list[int], dtype: torch.dtype):
-    """The adapters of one stacked group as (A, B, scaling) for y += B(A(x)) * scaling, or None.
-
-    A stacks the targets' A matrices; B is block-diagonal (a target without adapter is a zero block),
-    so each output column sees only its own target's rank-r product. One scaling when the targets
-    share it (peft's `* scaling`, rounded as peft rounds it), else an fp32 vector, one per column.
-    A shared power-of-two scaling (the default alpha / r = 2) is folded into B instead, one op less
-    per group and token: scaling by 2^k is exact in every float format, before and after the matmul's
-    rounding alike, so B'(A(x)) with B' = 2^k * B equals peft's B(A(x)) * 2^k bit for bit.
-    """
-    present = [spec for spec in adapters if spec is not None]
-    if not present:
-        return None
-    empty = present[0][0].new_zeros(0, present[0][0].shape[1])
-    a_parts, b_parts, scales = [], [], []
-    for spec, n in zip(adapters, out_features, strict=True):
-        a, b, scale = spec if spec is not None else (empty, empty.new_zeros(n, 0), 0.0)
-        a_parts.append(a.to(dtype))
-        b_parts.append(b.to(dtype))
-        scales.append(scale)
-    a, b = torch.cat(a_parts), torch.block_diag(*b_parts)
-    if len({scale for _, _, scale in present}) == 1:
-        scale = present[0][2]
-        return (a, b * scale, None) if math.frexp(scale)[0] == 0.5 else (a, b, scale)
-    return a, b, torch.cat([torch.full((n,), scale, dtype=torch.float32, device=a.device)
-                            for n, scale in zip(out_features, scales, strict=True)])
-
-
-@functools.cache
-def onednn_packing(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Can this CPU prepack `dtype` weights for oneDNN? fp32 needs nothing special; bf16 needs AVX-512
-    (bw, vl, dq) or AVX-NE-CONVERT, which an AMD EPYC of the Zen 2 or Zen 3 generation, for one, lacks.
-    Asked once per dtype, by trying it on a tiny weight."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 8)  # cpu: a oneDNN probe
-    except RuntimeError:
-        return False
-    return True
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a weight prepacked by mkldnn._reorder_linear_weight (the op inductor's CPU freezing uses)."""
-    return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -227,30 +171,30 @@ class LlamaDecoder:
         if self._cast_dtype == dtype:
             return
         cast = lambda wb, dt=dtype: tuple(None if t is None else t.to(dt) for t in wb)  # noqa: E731
-        packs = lambda dt: device.type == "cpu" and dt in (torch.bfloat16, torch.float32) and onednn_packing(dt)  # noqa: E731
-        packing = packs(dtype)
-        pack = lambda wb: (torch.ops.mkldnn._reorder_linear_weight(wb[0].contiguous(), 8), wb[1])  # noqa: E731
+        packing = prepared.packs(dtype, device)
         for layer in self.layers:
             layer.out_features = {}
             for name in LINEARS:  # fuse after the cast: the fp32 originals are never copied
                 params = [cast(self.linear_params(m)) for m in layer.modules[name]]
                 layer.out_features[name] = [w.shape[0] for w, _ in params]
-                fused = _concat(*params)
-                setattr(layer, name, pack(fused) if packing else fused)
+                fused = prepared.concat_linears(*params)
+                setattr(layer, name, prepared.pack(fused) if packing else fused)
         self.head_dtype = torch.float32 if self.head_fp32 else dtype
         head = cast(self.linear_params(self.head_module), self.head_dtype)
         self.head_out_features = [head[0].shape[0]]
-        head_packing = packs(self.head_dtype)
-        self.head, self.head_linear = (pack(head), _packed_linear) if head_packing else (head, F.linear)
-        self.linear, self._cast_dtype = (_packed_linear if packing else F.linear), dtype
+        if prepared.packs(self.head_dtype, device):
+            self.head, self.head_linear = prepared.pack(head), prepared.packed_linear
+        else:
+            self.head, self.head_linear = head, F.linear
+        self.linear, self._cast_dtype = (prepared.packed_linear if packing else F.linear), dtype
 
     def _prepare_adapters(self, dtype: torch.dtype) -> None:
         """Every rollout (the adapters train): cast and stack each group's LoRA matrices."""
         for layer in self.layers:
-            layer.adapters = {name: _stack_adapters([self.adapter_params(m) for m in modules],
+            layer.adapters = {name: prepared.stack_adapters([self.adapter_params(m) for m in modules],
                                                     layer.out_features[name], dtype)
                               for name, modules in layer.modules.items()}
-        self.head_adapter = _stack_adapters([self.adapter_params(self.head_module)], self.head_out_features,
+        self.head_adapter = prepared.stack_adapters([self.adapter_params(self.head_module)], self.head_out_features,
                                             self.head_dtype)
 
     def _linear(self, x: torch.Tensor, weights: tuple, adapter, linear=None) -> torch.Tensor:
