@@ -187,10 +187,7 @@ class RLHFTrainer:
     # ---- one update ---------------------------------------------------------------------------------
     def train_one_update(self) -> tuple[dict, list[dict]]:
         """One PPO update; returns its metrics and the completion rows for the table."""
-        cfg, start = self.cfg, time.perf_counter()
-        lr = cfg.learning_rate * self.lr_scale * ((1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else 1.0)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        cfg, start, lr = self.cfg, time.perf_counter(), self.set_learning_rate()
         # 1-2. collect and score (`draw`); with dynamic_sampling, groups whose scores all agree are dropped
         #    and fresh prompts drawn in their place (lm/rl/dynamic.py). DAPO's overlong penalty, after the
         #    guard's clip (0 with overlong_buffer 0); old log-probs, values and reference log-probs in passes
@@ -236,6 +233,15 @@ class RLHFTrainer:
                                          zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
         self.check_collapse(metrics)  # 6. a degenerating policy is named and stopped, not trained on
         return metrics, table
+
+    def set_learning_rate(self) -> float:
+        """This update's learning rate, set on the optimizer: the configured one, lowered by each non-finite
+        rollback (`lr_scale`) and, with `anneal_lr`, linearly to 0 over the run."""
+        cfg = self.cfg
+        lr = cfg.learning_rate * self.lr_scale * ((1.0 - self.update / cfg.total_updates) if cfg.anneal_lr else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def check_collapse(self, metrics: dict) -> None:
         """The collapse guard on this update's rollout: token entropy, share at the budget, scores."""
