@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
                    help="run under torch.profiler and count operators (--no-ops: the phases' wall clocks alone, "
                         "without the profiler's own overhead)")
     p.add_argument("--phase-ops", nargs="*", default=[], choices=[*PHASES, "other"],
-                   help="list the most called top-level operators of these phases")
+                   help="list the costliest top-level operators of these phases (calls and CPU ms per update)")
     return p.parse_args()
 
 
@@ -79,17 +79,20 @@ def phase_of(e) -> str:
     return "other" if parent is None else parent.name
 
 
-def ops_per_phase(events) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Top-level operators dispatched inside each phase's scope (an aten op called by another aten op is
-    not counted again), in total and by name."""
+def ops_per_phase(events) -> tuple[dict[str, int], dict[str, dict[str, list[float]]]]:
+    """Top-level operators dispatched inside each phase's scope (an operator called by another is not
+    counted again; aten's and the others', such as mkldnn's prepacked linear), in total and by name as
+    [calls, CPU ms including what they call]."""
     counts: dict[str, int] = {}
-    names: dict[str, dict[str, int]] = {}
+    names: dict[str, dict[str, list[float]]] = {}
     for e in events:
-        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+        if "::" not in e.name or (e.cpu_parent is not None and "::" in e.cpu_parent.name):
             continue
         phase = phase_of(e)
         counts[phase] = counts.get(phase, 0) + 1
-        names.setdefault(phase, {})[e.name] = names.setdefault(phase, {}).get(e.name, 0) + 1
+        calls_ms = names.setdefault(phase, {}).setdefault(e.name, [0, 0.0])
+        calls_ms[0] += 1
+        calls_ms[1] += e.cpu_time_total / 1000
     return counts, names
 
 
@@ -150,9 +153,10 @@ def main() -> None:
     for e in top:
         print(f"| {e.key} | {e.count // args.updates} | {e.self_cpu_time_total / 1000 / args.updates:.1f} |")
     print(f"\nall top-level operators: {sum(ops.values()) // args.updates} per update")
-    for name in args.phase_ops:
-        common = sorted(by_name.get(name, {}).items(), key=lambda kv: -kv[1])[:args.top]
-        print(f"\n{name}: " + ", ".join(f"{op} {n // args.updates}" for op, n in common))
+    for name in args.phase_ops:  # per update: calls (CPU ms), the costliest first
+        common = sorted(by_name.get(name, {}).items(), key=lambda kv: -kv[1][1])[:args.top]
+        print(f"\n{name}: " + ", ".join(f"{op} {calls // args.updates} ({ms / args.updates:.0f} ms)"
+                                        for op, (calls, ms) in common))
 
 
 if __name__ == "__main__":
