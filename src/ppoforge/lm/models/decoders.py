@@ -192,10 +192,10 @@ class LlamaDecoder:
         """Every rollout (the adapters train): cast and stack each group's LoRA matrices."""
         for layer in self.layers:
             layer.adapters = {name: prepared.stack_adapters([self.adapter_params(m) for m in modules],
-                                                    layer.out_features[name], dtype)
+                                                            layer.out_features[name], dtype)
                               for name, modules in layer.modules.items()}
-        self.head_adapter = prepared.stack_adapters([self.adapter_params(self.head_module)], self.head_out_features,
-                                            self.head_dtype)
+        self.head_adapter = prepared.stack_adapters([self.adapter_params(self.head_module)],
+                                                    self.head_out_features, self.head_dtype)
 
     def _linear(self, x: torch.Tensor, weights: tuple, adapter, linear=None) -> torch.Tensor:
         """base(x) (+ B(A(x)) * scaling: peft's LoRA forward, op for op, so rounding matches it too)."""
