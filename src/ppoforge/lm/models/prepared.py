@@ -2,8 +2,9 @@
 
 - `concat_linears`: q, k, v (and gate, up) stacked along the output dim, one matmul for the group;
 - `stack_adapters`: the group's LoRA adapters stacked to match, applied unmerged as peft applies them;
-- `onednn_packing` / `packed_linear`: on CPU, weights reordered once into oneDNN's blocked layout, so a
-  decode step that streams every weight for a few rows does not repack it on every call.
+- `packs` / `pack` / `packed_linear`: on CPU, weights reordered once into oneDNN's blocked layout (where
+  `onednn_packing` finds it can), so a decode step that streams every weight for a few rows does not
+  repack it on every call.
 """
 
 from __future__ import annotations
