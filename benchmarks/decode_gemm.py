@@ -6,7 +6,8 @@ workload's shapes (`rlhf_workloads.py`; q, k, v and gate, up stacked as ppoforge
 them, plus the LM head), for each row count:
 
 - `F.linear`: what Hugging Face's forward (TRL's decode) runs: MKL's fp32 GEMM on CPU;
-- `prepacked`: ppoforge's lean decoder on CPU, weights reordered once for oneDNN (`lm/models/prepared.py`);
+- `prepacked`: ppoforge's lean decoder on CPU, weights reordered once for oneDNN by the decoder's own
+  `prepared.pack` and multiplied by its `prepared.packed_linear` (`lm/models/prepared.py`);
 
 next to the machine's read bandwidth (a sum over 512 MiB), which bounds any decode of these weights.
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rlhf_workloads  # noqa: E402
+from ppoforge.lm.models import prepared  # noqa: E402
 
 
 def step_shapes(w: rlhf_workloads.Workload) -> list[tuple[int, int]]:
@@ -36,13 +38,9 @@ def step_shapes(w: rlhf_workloads.Workload) -> list[tuple[int, int]]:
     return layer * w.layers + [(w.hidden, w.vocab)]
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 def one_step(linear, shapes, weights, xs) -> None:
     for (n_in, _), weight in zip(shapes, weights, strict=True):
-        linear(xs[n_in], weight)
+        linear(xs[n_in], weight, None)
 
 
 def seconds(fn, repeats: int = 5) -> float:
@@ -72,9 +70,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {n_in: torch.randn(rows, n_in) for n_in, _ in shapes}
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        packed = [prepared.pack((w, None))[0] for w in weights]
         plain = seconds(functools.partial(one_step, F.linear, shapes, weights, xs))
-        prepacked = seconds(functools.partial(one_step, packed_linear, shapes, packed, xs))
+        prepacked = seconds(functools.partial(one_step, prepared.packed_linear, shapes, packed, xs))
         print(f"| {rows} | {plain * 1e3:.1f} | {prepacked * 1e3:.1f} | {plain / prepacked:.2f}× | "
               f"{gib * 2**30 / prepacked / 1e9:.1f} |")
 
