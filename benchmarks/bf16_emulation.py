@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from flops import mean_seconds
 
 _ATEN = torch.ops.aten
 MATMULS = frozenset({_ATEN.mm.default, _ATEN.addmm.default, _ATEN.bmm.default, _ATEN.baddbmm.default,
@@ -63,21 +64,15 @@ def _compare(m: int, k: int, n: int, repeats: int) -> dict:
     scale = native.float().abs().amax(dim=1, keepdim=True)
     worst = ((native.float() - emulated.float()).abs() / scale).max().item()
 
-    def seconds(fn) -> float:
-        fn()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - start) / repeats
-
     def emulated_mm():
         with EmulatedBf16Matmuls():
             a @ b
 
     a32, b32 = a.float(), b.float()
     return {"shape": (m, k, n), "bit_equal": (native == emulated).float().mean().item(),
-            "max_diff_over_row_max": worst, "native_bf16_ms": 1e3 * seconds(lambda: a @ b),
-            "emulated_ms": 1e3 * seconds(emulated_mm), "fp32_ms": 1e3 * seconds(lambda: a32 @ b32)}
+            "max_diff_over_row_max": worst, "native_bf16_ms": 1e3 * mean_seconds(lambda: a @ b, repeats),
+            "emulated_ms": 1e3 * mean_seconds(emulated_mm, repeats),
+            "fp32_ms": 1e3 * mean_seconds(lambda: a32 @ b32, repeats)}
 
 
 def main() -> None:

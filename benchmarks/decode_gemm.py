@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rlhf_workloads  # noqa: E402
+from flops import mean_seconds  # noqa: E402
 from ppoforge.lm.models import prepared  # noqa: E402
 
 
@@ -43,14 +43,6 @@ def one_step(linear, shapes, weights, xs) -> None:
         linear(xs[n_in], weight, None)
 
 
-def seconds(fn, repeats: int = 5) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="smollm2", choices=sorted(rlhf_workloads.WORKLOADS))
@@ -63,7 +55,7 @@ def main() -> None:
     weights = [torch.randn(n_out, n_in) * 0.02 for n_in, n_out in shapes]
     gib = sum(t.numel() for t in weights) * 4 / 2**30
     big = torch.randn(2**27)  # 512 MiB
-    bandwidth = big.numel() * 4 / seconds(big.sum) / 1e9
+    bandwidth = big.numel() * 4 / mean_seconds(big.sum) / 1e9
     print(f"{args.workload}: {len(shapes)} matmuls per step, {gib:.2f} GiB of fp32 weights; "
           f"read bandwidth {bandwidth:.1f} GB/s, {args.threads} threads, torch {torch.__version__}\n")
     print("| rows | F.linear ms/step | prepacked ms/step | prepacked speed-up | prepacked GB/s of weights |")
@@ -71,8 +63,8 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {n_in: torch.randn(rows, n_in) for n_in, _ in shapes}
         packed = [prepared.pack((w, None))[0] for w in weights]
-        plain = seconds(functools.partial(one_step, F.linear, shapes, weights, xs))
-        prepacked = seconds(functools.partial(one_step, prepared.packed_linear, shapes, packed, xs))
+        plain = mean_seconds(functools.partial(one_step, F.linear, shapes, weights, xs))
+        prepacked = mean_seconds(functools.partial(one_step, prepared.packed_linear, shapes, packed, xs))
         print(f"| {rows} | {plain * 1e3:.1f} | {prepacked * 1e3:.1f} | {plain / prepacked:.2f}× | "
               f"{gib * 2**30 / prepacked / 1e9:.1f} |")
 

@@ -67,6 +67,15 @@ def grpo_step_flops(params: int, prompt_tokens: list[int], completion_tokens: fl
             "passes_per_token": 2 + train}
 
 
+def mean_seconds(fn, repeats: int = 5) -> float:
+    """Wall seconds per call of fn(), the mean of `repeats` calls after one warm-up call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
 def gemm_gflops(dtype, size: int, seconds: float) -> tuple[float, int]:
     import torch
 
