@@ -37,7 +37,7 @@ import flops  # noqa: E402
 import rlhf_workloads  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload-dir", required=True, help="directory written by rlhf_workloads.build()")
     p.add_argument("--layout", choices=["full", "lora"], default="lora", help="ppoforge model layout")
@@ -59,7 +59,17 @@ def parse_args() -> argparse.Namespace:
                    help="ppoforge's shared_prefix: a group's completions as one row behind one prompt, or padded rows")
     p.add_argument("--attn", choices=["auto", "eager", "sdpa"], default="auto",
                    help="ppoforge's attn_implementation for the training and scoring forwards")
-    return p.parse_args()
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    return parser().parse_args()
+
+
+def worker_args(**fields) -> argparse.Namespace:
+    """The worker's arguments as its command line's defaults give them, with `fields` set: for a caller that
+    builds the same trainer in its own process (profile_grpo.py, the tests)."""
+    return argparse.Namespace(**(vars(parser().parse_args(["--workload-dir", ""])) | fields))
 
 
 def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace, prompts: Path):

@@ -108,11 +108,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="profile-grpo-") as tmp:
         wdir = rlhf_workloads.build(args.workload, Path(tmp) / "w")
         w = rlhf_workloads.load_workload(wdir)
-        worker_args = argparse.Namespace(layout=args.layout, precision=args.precision, warmup=args.warmup,
-                                         updates=args.updates, seed=0, threads=args.threads, grpo=True,
-                                         prompts=args.prompts, generations=args.generations,
-                                         new_tokens=args.new_tokens, micro=args.micro,
-                                         shared_prefix=args.shared_prefix, attn=args.attn, device="cpu")
+        worker_args = ppoforge_rlhf_worker.worker_args(
+            layout=args.layout, precision=args.precision, warmup=args.warmup, updates=args.updates,
+            threads=args.threads, grpo=True, prompts=args.prompts, generations=args.generations,
+            new_tokens=args.new_tokens, micro=args.micro, shared_prefix=args.shared_prefix, attn=args.attn)
         trainer = RLHFTrainer(ppoforge_rlhf_worker.rlhf_config(w, wdir, worker_args, wdir / "prompts.jsonl"),
                               Path(tmp) / "run")
         clocks = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -16,9 +15,7 @@ def test_the_grpo_timing_trains_on_a_flat_rollout_as_trl_does(tmp_path):
     # the `reasoning` workload's shape (beta 0: the loss is the policy gradient alone) on tiny's models
     wdir = rlhf_workloads.build("tiny", tmp_path / "w")
     w = dataclasses.replace(rlhf_workloads.load_workload(wdir), beta=0.0)
-    args = argparse.Namespace(layout="lora", precision="fp32", warmup=1, updates=1, seed=0, threads=1, grpo=True,
-                              prompts=2, generations=4, new_tokens=8, micro=4, shared_prefix="auto", attn="auto",
-                              device="cpu")
+    args = ppoforge_rlhf_worker.worker_args(grpo=True, prompts=2, generations=4, new_tokens=8, micro=4, threads=1)
     cfg = ppoforge_rlhf_worker.rlhf_config(w, wdir, args, wdir / "prompts.jsonl")
     assert cfg.loss_is_policy_gradient_only  # so the trainer's default would skip a flat rollout's update
     assert cfg.skip_flat_rollouts is False
