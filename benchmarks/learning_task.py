@@ -61,6 +61,57 @@ def build(out: Path, train: int = 500, heldout: int = 64, digits: int = 1, terms
     return info
 
 
+def flat(text: str) -> str:
+    """A question on one line (its whitespace runs as single spaces): the few-shot lines stay one per example
+    and the newline can end the answer line."""
+    return " ".join(text.split())
+
+
+def build_task(out: Path, name: str, kwargs: dict, max_new_tokens: int, train: int = 500, heldout: int = 32,
+               shots: int = 2) -> dict:
+    """A reasoning-gym task other than chain_sum, written as `build` writes chain_sum's: the header is `shots`
+    solved problems of the task's own generator (seed 7, neither the training seed 1 nor the held-out seed),
+    each as "Question: ... (on one line)" then "Answer: <answer>...</answer>", then the problem's question and
+    "Answer:"; the training rows less
+    every held-out problem. The prompt budget is the longest prompt's token count (nothing cut), in
+    task.json's settings with the task's `max_new_tokens`; the rest of the settings are the preset's."""
+    import reasoning_gym
+    from transformers import AutoTokenizer
+
+    from ppoforge.config import read_preset
+    from ppoforge.lm.data.prompts import without
+    from ppoforge.lm.models.smollm2 import ensure_cached
+
+    def rows(size: int, seed: int) -> list[dict]:
+        data = reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+        return [data[i] for i in range(len(data))]
+
+    header = "\n".join(f"Question: {flat(e['question'])}\nAnswer: <answer>{e['answer']}</answer>"
+                       for e in rows(shots, 7))
+
+    def prompt_rows(entries: list[dict]) -> list[dict]:
+        return [{"prompt": f"{header}\nQuestion: {flat(e['question'])}\nAnswer:",
+                 "entry": json.dumps({k: e[k] for k in ("question", "answer", "metadata")})} for e in entries]
+
+    held = prompt_rows(rows(heldout, HELDOUT_SEED))
+    every = prompt_rows(rows(train, 1))
+    kept = without(every, held, "prompt")
+    tok = AutoTokenizer.from_pretrained(ensure_cached())
+    longest = max(len(tok(r["prompt"]).input_ids) for r in kept + held)
+    out.mkdir(parents=True, exist_ok=True)
+    for part, part_rows in (("train", kept), ("heldout", held)):
+        with open(out / f"{part}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part_rows)
+    preset = read_preset("arithmetic_demo", "rlhf")
+    info = {"task": name, "kwargs": kwargs, "digits": None, "train_rows": len(kept), "left_out": len(every) - len(kept),
+            "heldout_rows": len(held), "distinct_train_problems": len({r["prompt"] for r in kept}), "header": header,
+            "prompt_tokens": longest,
+            "settings": {**{k: preset[k] for k in SETTINGS}, "max_new_tokens": max_new_tokens,
+                         "max_prompt_tokens": longest}}
+    (out / "task.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
 def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 

@@ -8,7 +8,7 @@ What runs (one after the other, on this machine, each for the same training wall
 - the task (learning_task.py): the real SmolLM2-135M-Instruct, reasoning-gym chain_sum as the arithmetic
   demo sets it (two terms of one digit, the preset's few-shot prompt, answers in <answer> tags), training
   problems disjoint from `--heldout` held-out problems of another generator seed;
-- ppoforge (ppoforge_learning_worker.py, this venv, `--ppoforge-precision`, default auto) and TRL
+- ppoforge (ppoforge_learning_worker.py, this venv, `--ppoforge-precision`, default fp32, as TRL's side) and TRL
   (trl_learning_worker.py, `--trl-venv`, default the newest TRL in .bench-venvs/trl-current, made if
   missing; `--trl-precision`, default fp32 = bf16=False, TRL's fastest setting on the CPUs measured here)
   with the same prompts, reward, G, prompts per step, learning rate, LoRA rank and alpha, beta,
@@ -58,7 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every-updates", type=int, default=None,
                    help="a snapshot every this many updates instead of --every-s; compares accuracy per update")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ppoforge-precision", default="auto", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--ppoforge-precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                   help="fp32 by default, as TRL's side (--trl-precision): identical settings")
     p.add_argument("--ppoforge-lm-head-fp32", action="store_true",
                    help="ppoforge's lm_head_fp32: the LM head in fp32 under bf16 (docs/rlhf.md)")
     p.add_argument("--ppoforge-emulate-bf16", action="store_true",
@@ -111,7 +112,8 @@ class Evaluator:
     """The held-out score of a LoRA snapshot: one fp32 model with peft's adapter slots, the same seed,
     sampling settings and reward for every snapshot of either side."""
 
-    def __init__(self, model_dir: Path, rows: list[dict], samples: int, seed: int, batch: int = 64):
+    def __init__(self, model_dir: Path, rows: list[dict], samples: int, seed: int, batch: int = 64,
+                 new_tokens: int | None = None):
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,7 +121,7 @@ class Evaluator:
         from ppoforge.config import read_preset
 
         preset = read_preset("arithmetic_demo", "rlhf")
-        self.temperature, self.new_tokens = preset["temperature"], preset["max_new_tokens"]
+        self.temperature, self.new_tokens = preset["temperature"], new_tokens or preset["max_new_tokens"]
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.tok.padding_side = "left"
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -327,12 +329,16 @@ def main() -> None:
     report(args, out, task, runs, "updates" if args.every_updates else "train_s")
 
 
+def cpu_name() -> str:
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "?")
+
+
 def report(args: argparse.Namespace, out: Path, task: dict, runs: dict, x: str) -> None:
     """The table on stdout, the figure and the JSON of scored `runs` against `x` (train_s or updates)."""
     lines = summary(runs, x)
     print("\n".join(lines))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
+    cpu = cpu_name()
     title = (f"SmolLM2-135M-Instruct, chain_sum {task['digits']}-digit, GRPO G=8, LoRA r16; {task['heldout_rows']} "
              f"held-out x {args.samples}\n{cpu}, {args.threads} threads")
     stem = out / ("learning_vs_trl" + ("" if task["digits"] == 1 else f"_{task['digits']}digit")

@@ -68,8 +68,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     preset = read_preset("arithmetic_demo", "rlhf")
+    task = json.loads((Path(args.task_dir) / "task.json").read_text())["settings"]  # a battery task's budgets
     cfg = build_config(RLHFConfig, {
-        **preset, "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
+        **preset, **{k: task[k] for k in ("max_new_tokens", "max_prompt_tokens") if k in task},
+        "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
         "reward": f"py:{HERE / 'learning_task.py'}:answer_reward", "total_updates": 10**6, "seed": args.seed,
         "precision": args.precision, "torch_threads": args.threads, "checkpoint_every": 10**9,
         "tensorboard": False, "progress": False, "lm_head_fp32": args.lm_head_fp32,

@@ -445,3 +445,29 @@ def test_eos_penalty_reward_sees_which_completions_ran_out(cfg_for, tmp_path):
     trainer = RLHFTrainer(cfg_for(reward="eos_penalty:2.5", max_new_tokens=2), tmp_path)
     _, table = trainer.train_one_update()  # 2 new tokens: almost every completion runs out
     assert {r["score"] for r in table} <= {0.0, -2.5} and any(r["score"] == -2.5 for r in table)
+
+
+def test_a_prompt_longer_than_max_prompt_tokens_is_cut_with_one_line_and_counted(cfg_for, tmp_path, capfd):
+    # the prompts file's longest prompts tokenize to more than 4 tokens: each keeps its last 4, never silently
+    cfg = cfg_for(max_prompt_tokens=4, total_updates=1)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
+    err = capfd.readouterr().err
+    whole = build.tokenize_prompts(trainer.inputs.tokenizer, trainer.inputs.prompt_rows, "prompt",
+                                   cfg.use_chat_template, 10**6)
+    lengths = [len(ids) for ids in whole]
+    over = [n - 4 for n in lengths if n > 4]
+    assert over and [ids[-4:] for ids in whole] == trainer.inputs.prompt_ids
+    line = [x for x in err.splitlines() if "max_prompt_tokens 4" in x]
+    assert len(line) == 1 and f"{len(over)} of {len(lengths)} prompts" in line[0]
+    assert f"first {sum(over)} tokens" in line[0] and f"max_prompt_tokens {4 + max(over)}" in line[0]
+    trainer.run()
+    report = json.loads((tmp_path / "data_report.json").read_text())
+    assert report["cut_to_max_prompt_tokens"]["prompts"] == {
+        "rows": len(lengths), "cut_rows": len(over), "cut_tokens": sum(over), "longest": max(lengths),
+        "max_prompt_tokens": 4}
+
+
+def test_prompts_within_max_prompt_tokens_say_nothing(cfg_for, tmp_path, capfd):
+    trainer = RLHFTrainer(cfg_for(max_prompt_tokens=64), tmp_path, reward_fn=word_reward)
+    assert "max_prompt_tokens" not in capfd.readouterr().err
+    assert trainer.inputs.cuts["prompts"]["cut_rows"] == 0

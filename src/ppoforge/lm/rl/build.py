@@ -11,8 +11,9 @@ the policy is exactly 0 before the first update (an all-bf16 copy was 9e-4 nats 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +43,12 @@ class RunInputs:
     score: Callable | None           # (prompts, completions, finished, rows) -> (B,) float32 scores; None
     #                                  with an env (it scores its episodes, and renders their prompts)
     left_out: int = 0                # training rows left out as held-out prompts (heldout_disjoint)
+    cuts: dict = field(default_factory=dict)  # per prompt set: rows, cut rows and tokens (max_prompt_tokens)
+
+    def data_report(self) -> dict:
+        """What the run's data became: data_report.json in the run dir."""
+        return {"prompts": len(self.prompt_rows), "heldout_prompts": len(self.heldout_prompt_rows),
+                "left_out_as_heldout": self.left_out, "cut_to_max_prompt_tokens": self.cuts}
 
 
 def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
@@ -64,14 +71,26 @@ def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
     return tuple(sorted(stops))
 
 
-def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_tokens: int) -> list[list[int]]:
-    """Render each prompt (chat template when asked and available), tokenize, keep the last max_tokens."""
+def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_tokens: int, what: str = "prompts",
+                     cuts: dict | None = None) -> list[list[int]]:
+    """Render each prompt (chat template when asked and available), tokenize, keep the last max_tokens. Never
+    silently: a cut is one line on stderr (how many rows, how many tokens, the longest prompt) and, given
+    `cuts`, counted there under `what` for the run's data report."""
     templated = chat and bool(tokenizer.chat_template)
     texts = [render_prompt(tokenizer, r[field], chat) for r in rows]
     encoded = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
     out = [ids[-max_tokens:] for ids in encoded]
     if any(not ids for ids in out):
         raise UserError(f"prompts: a prompt of field {field!r} tokenizes to no tokens")
+    over = [len(ids) - max_tokens for ids in encoded if len(ids) > max_tokens]
+    if cuts is not None:
+        cuts[what] = {"rows": len(rows), "cut_rows": len(over), "cut_tokens": sum(over),
+                      "longest": max(len(ids) for ids in encoded), "max_prompt_tokens": max_tokens}
+    if over and distributed.world().is_main:
+        print(f"ppoforge: {what}: {len(over)} of {len(rows)} prompts are longer than max_prompt_tokens {max_tokens} "
+              f"(the longest {max_tokens + max(over)} tokens): their first {sum(over)} tokens in all are cut, the last "
+              f"{max_tokens} of each kept; to keep them whole: max_prompt_tokens {max_tokens + max(over)}",
+              file=sys.stderr)
     return out
 
 
@@ -157,8 +176,9 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     loaded = len(rows)
     if cfg.heldout_disjoint and heldout and not cfg.env:
         rows = without(rows, heldout, cfg.prompt_field)
+    cuts: dict = {}  # prompts cut to max_prompt_tokens, per set: the run's data report
     encode = functools.partial(tokenize_prompts, tokenizer, field=cfg.prompt_field, chat=cfg.use_chat_template,
-                               max_tokens=cfg.max_prompt_tokens)
+                               max_tokens=cfg.max_prompt_tokens, cuts=cuts)
     if cfg.env:  # the environment's reset() gives each episode's first messages, and it scores the episode
         return RunInputs(device, precision, tokenizer, layout, stops, rows, [[] for _ in rows], heldout,
                           [[] for _ in heldout], None, loaded - len(rows))
@@ -170,4 +190,5 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     else:
         name = getattr(reward_fn, "__name__", "reward_fn")
     return RunInputs(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
-                      encode(heldout) if heldout else [], functools.partial(score, reward_fn, name), loaded - len(rows))
+                      encode(heldout, what="heldout_prompts") if heldout else [],
+                      functools.partial(score, reward_fn, name), loaded - len(rows), cuts)

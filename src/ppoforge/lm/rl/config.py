@@ -69,7 +69,8 @@ class RLHFConfig(FaultConfig):
                                       "(none: off); a non-finite score skips the update (see reliability docs)",
                                       gt=0, hi=1e12)
     # ---- sampling
-    max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens", lo=1, hi=1_000_000)
+    max_prompt_tokens: int = param(128, "prompts longer than this keep their last tokens (one line says how many; "
+                                   "data_report.json counts them)", lo=1, hi=1_000_000)
     max_new_tokens: int = param(32, "response length limit", lo=1, hi=1_000_000)
     temperature: float = param(0.7, "sampling temperature; log-probs use the same scaling", gt=0, hi=100.0)
     top_k: int = param(0, "sample from the k most likely tokens (0: off)", lo=0, hi=10_000_000)

@@ -312,6 +312,8 @@ class RLHFTrainer:
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
         logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "prompts"), self.update,
                               ("metrics.jsonl", "completions.jsonl"), main)
+        if main:  # how many prompts trained, were held out or cut (max_prompt_tokens)
+            (self.run_dir / "data_report.json").write_text(json.dumps(self.inputs.data_report(), indent=1) + "\n")
         progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress and main, unit="update")
         last: dict = {}
 
