@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ppoforge.lm.models.attention import causal_mask, position_ids
 from ppoforge.lm.models.decoders import HFDecoder, LlamaDecoder
 from ppoforge.lm.models.logprobs import token_logprobs
-from ppoforge.lm.models.sampler import SamplingParams, draw_tokens, filter_logits, sample
+from ppoforge.lm.models.sampler import SamplingParams, draw_tokens, draw_uniforms, filter_logits, sample
 
 EOS, PAD, VOCAB = 2, 0, 16
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -262,3 +262,55 @@ def test_lm_head_fp32_under_bf16_lean_and_hf_decoders_agree_and_approach_fp32():
         torch.testing.assert_close(logits, hidden.float() @ model.lm_head.weight.detach().T, atol=1e-4, rtol=1e-5)
     err = lambda z: (torch.log_softmax(z.float(), -1) - torch.log_softmax(exact, -1)).abs().mean()  # noqa: E731
     assert err(lean) < 0.8 * err(rounded)  # 0.021 against 0.033 nats here: the bf16 body stays
+
+
+def _rare_token_logits(vocab: int, rare: int, p_rare: float, tail: int | None = None) -> torch.Tensor:
+    """(1, vocab) logits: token 0 holds 0.7 (the CDF passes 0.5 at once), token `rare` p_rare, the tokens
+    from `tail` on 1e-9 each (less than p_rare: a top-k can keep it), the rest share what is left evenly."""
+    tail = vocab if tail is None else tail
+    probs = torch.full((vocab,), 1e-9, dtype=torch.float64)
+    probs[:tail] = (0.3 - p_rare - 1e-9 * (vocab - tail)) / (tail - 2)
+    probs[0], probs[rare] = 0.7, p_rare
+    return probs.log().float()[None]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1), SamplingParams(1, top_k=150_000)])
+def test_a_token_below_half_an_fp32_ulp_of_the_cdf_is_drawn(params):
+    """p = 2e-8 past the 0.5 mark, where an fp32 CDF's step is 6e-8: in an fp32 cumsum the token's share
+    (the difference of two sums) is 0 and the draw falls to a neighbour. A uniform inside its float64
+    share draws it, with its fp32 log-prob. top_k keeps it (it filters the 50k rarer tokens of the tail)."""
+    vocab, rare = 200_000, 100_000
+    logits = _rare_token_logits(vocab, rare, 2e-8, tail=150_000)
+    logp_all = torch.log_softmax(logits, -1)  # the law draw_tokens inverts: these fp32 probabilities
+    probs = torch.softmax(filter_logits(logp_all, params.top_k, 1.0), -1) if params.top_k else logp_all.exp()
+    assert probs[0, rare] > 0
+    fp32_cdf = probs.cumsum(-1)[0]
+    assert fp32_cdf[rare] == fp32_cdf[rare - 1], "in fp32 the token has no share of the CDF"
+    cdf = probs.double().cumsum(-1)[0]
+    for inside in (0.01, 0.5, 0.99):  # where in its share of the CDF the uniform lands
+        u = (cdf[rare - 1] + inside * probs[0, rare].double()) / cdf[-1]
+        tok, logp = draw_tokens(logits, params, u.reshape(1))
+        assert int(tok) == rare
+        assert float(logp) == float(logp_all[0, rare])
+        assert int(draw_tokens(logits, params, (cdf[rare - 1] / cdf[-1] * (1 - 1e-12)).reshape(1))[0]) == rare - 1
+
+
+def test_a_uniform_at_the_top_of_the_cdf_draws_the_last_token_with_mass():
+    """u * total can round up to the total (u within 2^-53 of 1): the draw is the last token with mass, not
+    a filtered one after it."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    top = torch.tensor([1 - 2**-53], dtype=torch.float64)
+    assert int(draw_tokens(logits, SamplingParams(1), top)[0]) == 3
+    assert int(draw_tokens(logits, SamplingParams(1, top_k=3), top)[0]) == 2
+
+
+def test_a_rare_token_past_the_middle_of_the_cdf_is_drawn_at_its_rate():
+    """A token of p = 1e-3 after the 0.5 mark, 200k seeded draws (float64 uniforms from draw_uniforms): its
+    count within 5 sigma of 200."""
+    vocab, rare, n, p = 4096, 3000, 200_000, 1e-3
+    logits = _rare_token_logits(vocab, rare, p)
+    u = draw_uniforms(SamplingParams(1), n, torch.Generator().manual_seed(0))[0]
+    assert u.dtype == torch.float64 and u.shape == (n,)
+    hits = sum(int((draw_tokens(logits.expand(len(part), -1), SamplingParams(1), part)[0] == rare).sum())
+               for part in u.split(20_000))
+    assert abs(hits - n * p) < 5 * (n * p * (1 - p)) ** 0.5

@@ -69,15 +69,22 @@ def draw_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -
     `sample` and of multi-turn episodes, `lm/envs/episodes.py`).
 
     Inversion needs B random numbers per step where Gumbel-max or torch.multinomial need B * V, and
-    CPU random number generation costs more than the cumsum.
+    CPU random number generation costs more than the cumsum. The CDF is accumulated in float64 and u
+    compared in float64: in an fp32 CDF a token's share is the difference of two fp32 sums, so past the
+    0.5 mark every token below half an ulp (3e-8) had none and was never drawn (a 152k vocabulary: 3e-4
+    of the mass). The probabilities are the fp32 exp of the returned log-probs, the law the update uses.
     """
     logp_all = scaled_log_softmax(logits, params.temperature)  # (B, V) fp32, the trainer's distribution
     if params.top_k or params.top_p < 1.0:
-        cdf = torch.softmax(filter_logits(logp_all, params.top_k, params.top_p), dim=-1).cumsum_(-1)
+        probs = torch.softmax(filter_logits(logp_all, params.top_k, params.top_p), dim=-1)
     else:
-        cdf = logp_all.exp().cumsum_(-1)
-    # right=True skips zero-probability (filtered) tokens even at u = 0
-    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+        probs = logp_all.exp()
+    cdf = probs.double().cumsum_(-1)  # (B, V) float64: 2^-53 resolution, every fp32 probability > 0 has its share
+    total = cdf[:, -1:].contiguous()  # (B, 1)
+    # right=True skips zero-probability (filtered) tokens even at u = 0; u * total rounded up to the total
+    # (u within 2^-53 of 1) goes to the last token with mass, not past it to a filtered one
+    tok = torch.searchsorted(cdf, u.double()[:, None] * total, right=True)
+    tok = torch.minimum(tok, torch.searchsorted(cdf, total))
     return tok.squeeze(1), logp_all.gather(1, tok).squeeze(1)
 
 
@@ -85,9 +92,11 @@ def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator
                   ) -> torch.Tensor:
     """The (turns * max_new_tokens, B) uniforms a batch's sampling consumes: one per row, turn and step (turn
     k's step t is row k * max_new_tokens + t; one turn for `sample`, `max_turns` for episodes). Drawn up
-    front, so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws."""
+    front, so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws.
+    float64: an fp32 uniform has a 2^-24 grid, coarser than a rare token's share of the CDF."""
     device = generator.device if generator is not None else "cpu"
-    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device)
+    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device,
+                      dtype=torch.float64)
 
 
 @torch.inference_mode()
