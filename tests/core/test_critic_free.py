@@ -7,6 +7,7 @@ import torch
 
 from ppoforge.core.critic_free import (
     STD_EPS,
+    flat_groups,
     group_mean,
     group_reward_stats,
     grpo_advantages,
@@ -14,6 +15,7 @@ from ppoforge.core.critic_free import (
     reward_to_go,
     rloo_advantages,
 )
+from ppoforge.core.dapo import informative_groups
 
 # two prompts x G = 3 completions, contiguous: prompt 0 scored [1, 2, 3], prompt 1 [0, 0, 0]
 REWARDS = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 0.0])
@@ -99,3 +101,25 @@ def test_reinforce_pp_whitens_the_reward_to_go_over_the_batch_tokens():
     std = math.sqrt(4.75 / 3 + 1e-8)
     want = torch.tensor([[1.25, 0.25, -1.75, 0.0], [0.25, 0.0, 0.0, 0.0]]) / std
     torch.testing.assert_close(reinforce_pp_advantages(TOKEN_REWARDS, MASK), want)
+
+
+@pytest.mark.parametrize("value,g", [(0.3, 8), (0.7, 12), (0.1, 4), (1 / 3, 6)])
+def test_a_group_of_equal_non_dyadic_scores_is_flat_and_its_advantages_exactly_zero(value, g):
+    # fp32: eight 0.3s have a mean one ulp off 0.3 and a std of ~3e-8; with the 1e-4 epsilon that rounding
+    # became a same-sign advantage of ~3e-4 on every row (0.7, G 12: ~1.2e-3)
+    rewards = torch.cat([torch.full((g,), value), torch.arange(g, dtype=torch.float32)])
+    flat = flat_groups(rewards, g)
+    assert flat.tolist() == [True, False]
+    # (rloo's `batch` whitens the advantages over the batch afterwards: a flat group's 0 moves with the mean)
+    for adv in (grpo_advantages(rewards, g), grpo_advantages(rewards, g, "batch"), grpo_advantages(rewards, g, "none"),
+                rloo_advantages(rewards, g)):
+        assert torch.equal(adv[:g], torch.zeros(g)), adv[:g]
+    assert informative_groups(rewards, g).tolist() == [False, True]
+    assert group_reward_stats(rewards, g)["frac_reward_zero_std"] == 0.5
+
+
+def test_group_means_are_float64_accurate():
+    rewards = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    # in float64 the deviations sum to 0 to float64's precision, then round once to fp32
+    exact = (rewards.double() - rewards.double().mean()).float()
+    assert torch.equal(grpo_advantages(rewards, 4, "none"), exact)

@@ -21,6 +21,10 @@ group. Sequence rewards are (B,), per-token ones (B, T) with a 0/1 response mask
 - REINFORCE++-baseline (OpenRLHF's `reinforce_baseline`): the same after subtracting each prompt's mean
   score from its completions' scores (`group_mean`); the caller builds those per-token rewards.
 
+A group whose scores are all the same number (`flat_groups`: max == min) has advantages exactly 0 under every
+group baseline: the means are taken in float64 and a flat group's deviations are set to 0, where an fp32 mean
+of eight 0.3s is one ulp off and the 1e-4 epsilon would turn that rounding into a same-sign push (TRL's form).
+
 Deliberate difference from OpenRLHF: whitening is `core.stats.whiten` (Bessel-corrected variance, as for
 PPO's GAE advantages) where OpenRLHF divides by the biased one; at a batch's thousands of tokens the two
 differ by far less than the noise.
@@ -45,17 +49,33 @@ def groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.view(-1, group_size)
 
 
+def flat_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) -> (B / G,) bool: every score of the group is the same number (max == min). The one test of "no
+    signal" (the advantages, `skip_flat_rollouts`, dynamic sampling, `frac_reward_zero_std`): a std or a
+    mean in fp32 is not it — eight copies of 0.3 have an fp32 mean one ulp off 0.3 and a std of 3e-8."""
+    g = groups(x, group_size)
+    return g.amax(1) == g.amin(1)
+
+
 def group_mean(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) each entry's group mean."""
-    return groups(x, group_size).mean(1).repeat_interleave(group_size)
+    """(B,) each entry's group mean, accumulated in float64 (as exact as the scores allow)."""
+    return groups(x.double(), group_size).mean(1).repeat_interleave(group_size).to(x.dtype)
+
+
+def centered(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) x - its group's mean, in float64, and exactly 0 on a flat group (`flat_groups`)."""
+    flat = flat_groups(x, group_size).repeat_interleave(group_size)
+    wide = x.double()
+    dev = wide - groups(wide, group_size).mean(1).repeat_interleave(group_size)
+    return dev.masked_fill(flat, 0.0).to(x.dtype)
 
 
 def _scaled(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, scale: str, eps: float,
             all_sum=None) -> torch.Tensor:
     if scale == "none":
         return adv
-    if scale == "group":
-        std = groups(rewards, group_size).std(1).repeat_interleave(group_size)
+    if scale == "group":  # float64: a flat group's std is exactly 0, and its advantages are already 0
+        std = groups(rewards.double(), group_size).std(1).repeat_interleave(group_size).to(rewards.dtype)
     elif scale == "batch":
         std = rewards.std() if all_sum is None else global_mean_var(rewards, None, all_sum)[1].sqrt()
         std = std.expand_as(rewards)
@@ -68,15 +88,15 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group"
                     all_sum=None) -> torch.Tensor:
     """(B,) A_i = (r_i - mean_group(r)) / (std + eps); see the module docstring for `scale`. `all_sum`
     (data parallel: a sum over ranks, whose shards hold whole groups) makes `batch`'s std global."""
-    return _scaled(rewards - group_mean(rewards, group_size), rewards, group_size, scale, eps, all_sum)
+    return _scaled(centered(rewards, group_size), rewards, group_size, scale, eps, all_sum)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none", eps: float = STD_EPS,
                     all_sum=None) -> torch.Tensor:
     """(B,) A_i = r_i - (sum_group(r) - r_i) / (G - 1); `batch`: then (A - mean(A)) / (std(A) + eps) over
     the batch (all ranks' with `all_sum`), TRL's RLOO `normalize_advantages`."""
-    sums = groups(rewards, group_size).sum(1).repeat_interleave(group_size)
-    adv = rewards - (sums - rewards) / (group_size - 1)
+    # r_i - (sum - r_i) / (G - 1) = G / (G - 1) (r_i - mean): exactly 0 on a flat group
+    adv = centered(rewards, group_size) * (group_size / (group_size - 1))
     if scale == "none":
         return adv
     if scale != "batch":
@@ -108,5 +128,4 @@ def group_reward_stats(rewards: torch.Tensor, group_size: int) -> dict[str, torc
     """TRL's GRPO diagnostics: `reward_std`, the mean over groups of the group's sample std, and
     `frac_reward_zero_std`, the share of groups whose rewards are all equal (advantage 0: no signal)."""
     std = groups(rewards, group_size).std(1)
-    return {"reward_std": std.mean(),
-            "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean()}
+    return {"reward_std": std.mean(), "frac_reward_zero_std": flat_groups(rewards, group_size).float().mean()}

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from ppoforge.core.critic_free import groups
-
-ZERO_STD = 1e-8  # `torch.isclose(std, 0)`'s tolerance: what `group_reward_stats` counts as frac_reward_zero_std
-
+from ppoforge.core.critic_free import flat_groups
 
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) scores -> (B / G,) bool: the group's G scores do not all agree (sample std > ZERO_STD).
+    """(B,) scores -> (B / G,) bool: the group's G scores do not all agree (`flat_groups`: max == min; a std
+    test would keep eight 0.3s, whose fp32 std is 3e-8).
 
     DAPO eq. 11's constraint 0 < |{o_i : is_equivalent(a, o_i)}| < G, for any score rather than only
     correct/incorrect; verl's `filter_groups` (verl/trainer/ppo/ray_trainer.py) keeps a group when the
     std of its metric is > 0. A group whose scores agree has advantage 0 under a group baseline (GRPO,
     RLOO): it only dilutes the batch's gradient."""
-    return groups(scores, group_size).std(1) > ZERO_STD
+    return ~flat_groups(scores, group_size)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:

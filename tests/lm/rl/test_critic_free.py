@@ -403,3 +403,52 @@ def test_a_flat_rollout_makes_no_optimizer_step_unless_the_loss_has_another_term
     assert moved == steps
     assert second["guard/flat_rollout_skipped"] == float(not steps)
     assert math.isnan(second["loss/policy_avg"]) == (not steps)
+
+
+def constant_reward(prompts, completions, **kwargs):
+    """Every completion scores 0.3: not a dyadic number, so an fp32 group mean of it is one ulp off."""
+    return [0.3] * len(completions)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_a_reward_that_always_returns_the_same_non_dyadic_number_trains_nothing(cfg_for, tmp_path, advantage):
+    # before: each advantage was +2.98e-4 (GRPO: rounding / 1e-4), and Adam stepped that at the full rate
+    cfg = cfg_for(advantage=advantage, total_updates=3, num_generations=8, mini_batch_size=16, micro_batch_size=8)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=constant_reward)
+    before = _snapshot(trainer.layout.named_trainable())
+    for _ in range(3):
+        metrics, _ = trainer.train_one_update()
+        assert metrics["guard/flat_rollout_skipped"] == 1 and metrics["frac_reward_zero_std"] == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.layout.named_trainable())
+
+
+def truncated_index_reward(prompts, completions, *, finished, **kwargs):
+    """Distinct scores, every row truncated (asserted by the test): the signal sits in truncated rows only."""
+    return [float(i) for i in range(len(completions))]
+
+
+def test_a_rollout_whose_only_signal_sits_in_truncated_rows_is_flat_under_mask_truncated(cfg_for, tmp_path):
+    trainer = RLHFTrainer(cfg_for(mask_truncated=True, max_new_tokens=1, stop_tokens=None), tmp_path,
+                          reward_fn=truncated_index_reward)
+    metrics, _ = trainer.train_one_update()
+    assert metrics["completions/clipped_ratio"] == 1  # every row ran out of tokens: the loss masks them all
+    assert metrics["guard/flat_rollout_skipped"] == 1  # the check reads the advantages the loss sees
+
+
+def half_flat_reward(prompts, completions, **kwargs):
+    """Group 0 (rows 0-3) scores 0, 1, 2, 3; group 1 (rows 4-7) scores 0.3 each: flat."""
+    return [float(i) if i < 4 else 0.3 for i in range(len(completions))]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_mini_batch_whose_every_advantage_is_zero_makes_no_optimizer_step(cfg_for, tmp_path, monkeypatch, skip):
+    # mini-batches in rollout order (the shuffle replaced by the identity): rows 0-3 (a signal), rows 4-7 (flat)
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda n, **kw: torch.arange(n, device=kw.get("device")))
+    trainer = RLHFTrainer(cfg_for(skip_flat_rollouts=skip, mini_batch_size=4), tmp_path, reward_fn=half_flat_reward)
+    steps = []
+    trainer.optimizer.register_step_post_hook(lambda *a: steps.append(1))
+    metrics, _ = trainer.train_one_update()
+    monkeypatch.setattr(torch, "randperm", real)
+    assert metrics["guard/flat_rollout_skipped"] == 0
+    assert len(steps) == (1 if skip else 2) and metrics["guard/flat_steps_skipped"] == (1 if skip else 0)

@@ -206,8 +206,9 @@ class RLHFTrainer:
         # 4. PPO epochs over the rollout (none when a reward was not finite: the guard skips the update);
         #    with mask_truncated no loss on truncated responses, whose scores still made their group's baseline
         trained = replace(b, resp_mask=finished_mask(b.resp_mask, batch.samples.finished, cfg.mask_truncated))
+        flat = self.flat_rollout(trained)  # the advantages the loss sees: after mask_truncated
         trained = gather_rollout(trained, self.tokenizer.pad_token_id) if self.sharded else trained
-        skipped, flat = torch.tensor(float("nan"), device=b.resp.device), self.flat_rollout(b)
+        skipped = torch.tensor(float("nan"), device=b.resp.device)
         stats = self.ppo_update(trained) if finite and not flat else dict.fromkeys(sum(cfg.stat_keys, ()), skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
@@ -221,7 +222,7 @@ class RLHFTrainer:
         metrics = {k: v.item() for k, v in {**objective, **stats}.items()}
         elapsed, n = time.perf_counter() - start, cfg.rollout_size
         metrics.update({**self.guard.counts, **dynamic, "guard/micro_batch_size": self.ppo.micro_batch,
-                        "guard/flat_rollout_skipped": float(flat),
+                        "guard/flat_rollout_skipped": float(flat), "guard/flat_steps_skipped": self.ppo.flat_steps,
                         "perf/shared_prefix_unit": self.ppo.unit,
                         "guard/generation_batch_size": self.collector.gen_batch,
                         "objective/kl_coef": beta, "lr": lr, "episode": self.update * n,
@@ -295,7 +296,7 @@ class RLHFTrainer:
         policy to a confident wrong answer. The metrics report the NaN of an update that did not train."""
         if not (self.cfg.skip_flat_rollouts and self.cfg.loss_is_policy_gradient_only):
             return False
-        return not bool(distributed.all_sum(b.adv.abs().sum()).item())
+        return not bool(distributed.all_sum((b.adv * b.resp_mask).abs().sum()).item())
 
     def ppo_update(self, b: Rollout) -> dict[str, torch.Tensor]:
         """The PPO epochs over rollout `b` (lm/rl/update.py): its mean loss and stats."""

@@ -45,11 +45,14 @@ class PPOUpdate:
         self.world, self.sharded = distributed.world(), layout.sharded
         self.loss_keys, self.token_keys = cfg.stat_keys
         # (reduce, units) of every loss term; seq_sum_norm's constant is the most policy tokens a row can have
-        self.agg = loss_aggregation(cfg.loss_agg, cfg.max_new_tokens * cfg.max_turns)
+        self.agg = loss_aggregation(cfg.aggregation, cfg.max_new_tokens * cfg.max_turns)
         self.policy_loss = POLICY_LOSSES[cfg.policy_loss]  # ppo, gspo or cispo (core/policy_losses.py)
         self.micro_batch = cfg.micro_batch_size  # halved on out-of-memory
         self.unit = 1  # the last update's shared-prefix unit size (1: padded rows), perf/shared_prefix_unit
         self.vocab = head_size(layout.policy_model)
+        # a mini-batch whose every advantage is 0 under a policy-gradient-only loss has a 0 gradient: no step
+        self.skip_flat = cfg.skip_flat_rollouts and cfg.loss_is_policy_gradient_only
+        self.flat_steps = 0  # such mini-batches skipped over the run: guard/flat_steps_skipped
 
     def __call__(self, b: Rollout, optimizer: torch.optim.Optimizer, beta: float) -> dict[str, torch.Tensor]:
         """ppo_epochs x shuffled mini-batches x accumulated micro-batches; loss-unit-weighted loss stats,
@@ -62,6 +65,9 @@ class PPOUpdate:
             order = torch.randperm(cfg.rollout_size, generator=self.gen, device=self.gen.device).to(b.resp.device)
             for mb in unit_order(order, k).split(cfg.mini_batch_size):  # whole units in every micro-batch
                 mb = self._own_rows(mb)
+                if self._flat(b, mb):  # AdamW would step on momentum alone: the failure skip_flat_rollouts stops
+                    self.flat_steps += 1
+                    continue
                 sums = self._mini_batch_gradients(b, mb, optimizer, beta)  # (total loss, *stats in `keys` order)
                 # one all-reduce per step (sharded: of the stats alone, FSDP reduced the gradients in backward)
                 sums = (distributed.all_sum(sums) if self.sharded else
@@ -73,6 +79,12 @@ class PPOUpdate:
                 totals += sums if ok else 0
                 n_mini += ok
         return dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
+
+    def _flat(self, b: Rollout, mb: torch.Tensor) -> bool:
+        """`skip_flat_rollouts` per mini-batch: every advantage of its rows on every rank is 0 (one all-reduce)."""
+        if not self.skip_flat:
+            return False
+        return not bool(distributed.all_sum((b.adv[mb] * b.resp_mask[mb]).abs().sum()).item())
 
     def _own_rows(self, mb: torch.Tensor) -> torch.Tensor:
         """The rows of global mini-batch `mb` this rank holds, as indices into its rollout (any number,
