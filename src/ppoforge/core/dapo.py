@@ -11,6 +11,7 @@ import torch
 
 from ppoforge.core.critic_free import flat_groups
 
+
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """(B,) scores -> (B / G,) bool: the group's G scores do not all agree (`flat_groups`: max == min; a std
     test would keep eight 0.3s, whose fp32 std is 3e-8).
