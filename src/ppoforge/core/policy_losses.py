@@ -45,9 +45,9 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cli
     length-normalized ratio s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp(mean_t(logp - old_logp)) in
     every token's place, clipped to [1 - clip, 1 + clip_high] (TRL's importance_sampling_level="sequence").
     A row is clipped whole; the gradient reaches all its tokens through s_i. With the paper's
-    sequence-level advantages (the critic-free estimators) and loss_agg seq_mean_token_mean this is its
-    objective; the paper clips far tighter than PPO (clip 3e-4, clip_high 4e-4, its section 5.1): s_i is
-    a geometric mean.
+    sequence-level advantages (the critic-free estimators) and loss_agg seq_mean_token_mean (`loss_agg: auto`
+    with gspo) this is its objective; the paper clips far tighter than PPO (clip 3e-4, clip_high 4e-4, its
+    section 5.1): s_i is a geometric mean.
 
     Stats as `ppo_loss`'s, of s_i (token-weighted: a row counts once per real token), except approx_kl:
     the per-token k3 under every policy loss, how far the policy moved."""

@@ -238,7 +238,8 @@ def _cli(capsys, *args):
     (["--kl-coef", "0", "--kl-target", "6"], "kl_target: the adaptive controller scales kl_coef, which is 0"),
     (["--num-generations", "3", "--mini-batch-size", "32"],
      "mini_batch_size: 32 does not divide batch_size x num_generations = 48"),
-    (["--loss-agg", "sum"], "loss_agg: 'sum' is not allowed; allowed: token_mean, seq_mean_token_mean, seq_sum_norm"),
+    (["--loss-agg", "sum"], "loss_agg: 'sum' is not allowed; allowed: auto, token_mean, seq_mean_token_mean, "
+                                "seq_sum_norm"),
     (["--clip-high", "0"], "clip_high: 0.0 is out of range"),
     (["--policy-loss", "bogus"], "policy_loss: 'bogus' is not allowed; allowed: ppo, gspo, cispo"),
 ])

@@ -171,6 +171,8 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
     check_sequence_fits(cfg, layout.policy_model.config)
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
+    for note in cfg.notes() if distributed.world().is_main else ():
+        print(f"ppoforge: {note}", file=sys.stderr)
     rows = load_prompts(cfg.prompts, cfg.prompt_field)
     heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
     loaded = len(rows)

@@ -119,9 +119,11 @@ class RLHFConfig(FaultConfig):
                                "(batch) or not at all (none: Dr. GRPO); rloo: whiten the advantages over the batch "
                                "(batch: TRL's normalize_advantages) or not (none); auto: group for grpo (batch when "
                                "the KL is in the reward), none for rloo", choices=("auto", *SCALES))
-    loss_agg: str = param("token_mean", "how per-token losses make a mini-batch's loss: token_mean; "
+    loss_agg: str = param("auto", "how per-token losses make a mini-batch's loss: token_mean; "
                           "seq_mean_token_mean (mean of each response's token mean: GRPO's); seq_sum_norm (sum / "
-                          "(responses x max_new_tokens): Dr. GRPO's)", choices=LOSS_AGGREGATIONS)
+                          "(responses x max_new_tokens): Dr. GRPO's); auto: seq_mean_token_mean with policy_loss "
+                          "gspo (its eq. 5 counts each response once), else token_mean",
+                          choices=("auto", *LOSS_AGGREGATIONS))
     kl_in: str = param("reward", "where the KL to the reference acts: reward (-beta KL_t in each token's reward, "
                        "PPO's) or loss (+beta KL_t aggregated like the policy loss, GRPO's)",
                        choices=("reward", "loss"))
@@ -225,6 +227,23 @@ class RLHFConfig(FaultConfig):
             return self.scale_rewards
         default = self.estimator.default_scale
         return "batch" if default == "group" and self.kl_in_reward else default
+
+    @property
+    def aggregation(self) -> str:
+        """`loss_agg` resolved: auto is the policy loss's own — seq_mean_token_mean for gspo (GSPO's eq. 5 is a
+        plain mean over responses of s_i A_i; token_mean would weigh each by its length), token_mean for ppo
+        and cispo (PPO's, TRL's PPOTrainer's)."""
+        if self.loss_agg != "auto":
+            return self.loss_agg
+        return "seq_mean_token_mean" if self.policy_loss == "gspo" else "token_mean"
+
+    def notes(self) -> list[str]:
+        """One line each on a choice that is allowed but departs from its method's definition; the run prints
+        them once (`lm/rl/build.py`), as finalize runs again at every resume."""
+        if self.policy_loss == "gspo" and self.aggregation != "seq_mean_token_mean":
+            return [f"loss_agg: {self.loss_agg} with policy_loss gspo is not GSPO's objective (its eq. 5 averages "
+                    "the responses, each counted once: loss_agg auto or seq_mean_token_mean)"]
+        return []
 
     @property
     def kl_in_reward(self) -> bool:
