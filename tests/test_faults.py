@@ -286,8 +286,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def reward_module(tmp_path, monkeypatch):
-    """A py: reward that raises, or hangs, at its 3rd call (update 3), or collapses after its 1st, as
-    REWARD_MODE says."""
+    """A py: reward that raises, or hangs, at its 3rd call (update 3), or collapses after its 1st, or is
+    NaN at its 2nd or at every call, as REWARD_MODE says."""
     (tmp_path / "flaky_reward.py").write_text(textwrap.dedent("""
         import os, time
         calls = []
@@ -297,6 +297,11 @@ def reward_module(tmp_path, monkeypatch):
                 raise ValueError("the reward server said 503")
             if len(calls) == 3 and os.environ.get("REWARD_MODE") == "hang":
                 time.sleep(3600)
+            if os.environ.get("REWARD_MODE") == "nan" and len(calls) > 40:  # a run that never stops
+                raise RuntimeError("still called after 40 NaN rewards")
+            if os.environ.get("REWARD_MODE") == "nan" or (os.environ.get("REWARD_MODE") == "nan_once"
+                                                           and len(calls) == 2):
+                return [float("nan") for c in completions]
             if os.environ.get("REWARD_MODE") == "collapse":  # learned at update 1, then nothing earns
                 return [1.0 if len(calls) == 1 else 0.0 for c in completions]
             return [float(len(c)) for c in completions]
@@ -339,6 +344,38 @@ def test_a_run_whose_reward_collapses_is_stopped_by_the_collapse_guard_with_one_
     code, err = _cli(capsys, *_rlhf_args(tiny_model, tmp_path / "off", reward_module, "--total-updates", "6",
                                          "--collapse-patience", "0"))
     assert code == 0, err
+
+
+def test_a_reward_that_is_always_nan_rolls_back_max_rollbacks_times_then_stops_with_one_line(
+        capsys, tmp_path, tiny_model, reward_module, monkeypatch):
+    """Each rollback lowers the learning rate, which cannot make a NaN reward finite: after the default
+    max_rollbacks (5), each said in one line, the run stops (exit 1) keeping the checkpoint it went back to."""
+    monkeypatch.setenv("REWARD_MODE", "nan")
+    run = tmp_path / "run"
+    code, err = _cli(capsys, *_rlhf_args(tiny_model, run, reward_module, "--total-updates", "3",
+                                         "--nonfinite-action", "rollback", "--nonfinite-patience", "2"))
+    lines = [line for line in err.splitlines() if "max_rollbacks" in line]  # not the prompts' line
+    assert code == 1 and len(lines) == 6, err
+    for n, line in enumerate(lines[:5], 1):
+        assert line.startswith("ppoforge: non-finite rewards (") and "2 times in a row (nonfinite_patience): " \
+            f"rollback {n} of 5 (max_rollbacks) to update 0, the learning rate now x{0.5 ** n:.3g}" in line, line
+    assert lines[5].startswith("ppoforge: error: non-finite rewards (") and "2 times in a row (nonfinite_patience)" \
+        ": stopped after 5 rollbacks (max_rollbacks: 5; the learning rate at x0.0312); allowed: " in lines[5], err
+    assert f"checkpoint at update 0: continue with ppoforge train rlhf --resume {run}" in lines[5]
+    assert len(sys.modules["flaky_reward"].calls) == 12  # 6 times 2 updates, then no more
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 0
+
+
+def test_a_rollback_is_one_line_and_counted_in_guard_rollbacks(capsys, tmp_path, tiny_model, reward_module,
+                                                               monkeypatch):
+    monkeypatch.setenv("REWARD_MODE", "nan_once")  # update 2's reward: back to update 0, then all is well
+    run = tmp_path / "run"
+    code, err = _cli(capsys, *_rlhf_args(tiny_model, run, reward_module, "--total-updates", "3",
+                                         "--nonfinite-action", "rollback", "--nonfinite-patience", "1"))
+    lines = [line for line in err.splitlines() if "rollback" in line]
+    assert code == 0 and len(lines) == 1 and "rollback 1 of 5 (max_rollbacks) to update 0" in lines[0], err
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["guard/rollbacks"] for m in metrics] == [1, 1, 1]
 
 
 def test_a_hung_reward_times_out_with_one_line_and_a_checkpoint(capsys, tmp_path, tiny_model, reward_module,

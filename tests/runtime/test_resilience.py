@@ -44,9 +44,42 @@ def test_guard_rollback_and_rewards():
     assert ok and rewards.tolist() == [1.0, 100.0, -100.0] and guard.counts["guard/rewards_clipped"] == 2
     ok, _ = guard.rewards_ok(torch.tensor([1.0, math.nan]), clip=100.0)
     assert not ok and guard.counts["guard/nonfinite_rewards"] == 1 and guard.counts["guard/skipped_updates"] == 1
-    with pytest.raises(Rollback):
+    with pytest.raises(Rollback, match=r"^non-finite rewards \(1 of 1\), 2 times in a row \(nonfinite_patience\)$"):
         guard.rewards_ok(torch.tensor([math.inf]), clip=None)
-    assert guard.counts["guard/rollbacks"] == 1
+    assert guard.counts["guard/rollbacks"] == 0  # counted by train_loop when it rolls back
+
+
+def test_train_loop_rolls_back_at_most_max_rollbacks_times_then_stops(tmp_path, capsys):
+    """A guard that gives up at every update (a collapse that a lower learning rate does not cure): the
+    loop rolls back max_rollbacks times, a line and a count each, then stops with the checkpoint it kept."""
+    from types import SimpleNamespace
+
+    from ppoforge.runtime.resilience import train_loop
+
+    class Sick(_Trainer):
+        cfg, lr_scale, rollbacks = SimpleNamespace(max_rollbacks=2), 1.0, 0
+        guard = NonFiniteGuard(patience=1, action="rollback")
+
+        def train_one_update(self):
+            raise Rollback("the policy degenerated")
+
+        def rollback(self):
+            assert self.rollbacks < 10, "rolls back forever"
+            self.rollbacks, self.lr_scale = self.rollbacks + 1, self.lr_scale * 0.5
+
+    trainer = Sick()
+    guard = RunGuard(trainer, tmp_path / "ckpt.pt", "ppoforge train x --resume RUN")
+    guard.save()
+    with pytest.raises(Fault) as e:
+        train_loop(trainer, guard, total=10, checkpoint_every=1, after_update=print)
+    assert trainer.rollbacks == 2 and trainer.guard.counts["guard/rollbacks"] == 2
+    assert classify(e.value)[1] == (
+        "the policy degenerated: stopped after 2 rollbacks (max_rollbacks: 2; the learning rate at x0.25); allowed: "
+        "a smaller learning_rate, a finite reward, or a larger max_rollbacks; checkpoint at update 0: continue with "
+        "ppoforge train x --resume RUN")
+    assert capsys.readouterr().err.splitlines() == [
+        "ppoforge: the policy degenerated: rollback 1 of 2 (max_rollbacks) to update 0, the learning rate now x0.5",
+        "ppoforge: the policy degenerated: rollback 2 of 2 (max_rollbacks) to update 0, the learning rate now x0.25"]
 
 
 # ---- run guard ------------------------------------------------------------------------------------

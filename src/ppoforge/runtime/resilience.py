@@ -13,7 +13,9 @@
 - `NonFiniteGuard`: an optimizer step whose loss or gradient norm is not finite is skipped (and an
   update whose rewards are not all finite is skipped whole), counted in `guard/*` metrics; after
   `nonfinite_patience` bad ones in a row the run stops with one line, or with `nonfinite_action:
-  rollback` reloads the last checkpoint, scales the learning rate by `rollback_lr_factor` and goes on.
+  rollback` reloads the last checkpoint, scales the learning rate by `rollback_lr_factor` and goes on —
+  at most `max_rollbacks` times in a run (`train_loop` counts them, one line each): a cause that a lower
+  learning rate does not remove (a reward that is always NaN) would otherwise roll back forever.
 - `CollapseGuard`: a run whose numbers are finite but whose policy degenerates (entropy blown up,
   completions pinned at the token budget, the reward fallen to a flat floor) for `collapse_patience`
   updates in a row is stopped — or rolled back — the same way, with one line naming the signs.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -51,6 +54,9 @@ class FaultConfig:
                                   choices=("stop", "rollback"), resume=True)
     rollback_lr_factor: float = param(0.5, "rollback: multiply the learning rate by this", gt=0, hi=1.0,
                                       resume=True)
+    max_rollbacks: int = param(5, "rollbacks (nonfinite_action or collapse_action: rollback) a run may make; the "
+                               "next time the guard acts the run stops (the last checkpoint kept, one line, exit 1)",
+                               lo=0, hi=1000, resume=True)
     call_timeout: float = param(600.0, "seconds one call into user code (a reward function, an environment "
                                 "step) may take; then the run checkpoints and stops (exit 1)", gt=0, hi=1e6,
                                 resume=True)
@@ -81,7 +87,7 @@ def nbytes(value) -> int:
 
 
 class Rollback(Exception):
-    """Raised by the guard when `nonfinite_action` is rollback: reload the last checkpoint."""
+    """Raised by a guard when `nonfinite_action` (or `collapse_action`) is rollback: reload the last checkpoint."""
 
 
 class NonFiniteGuard:
@@ -96,11 +102,11 @@ class NonFiniteGuard:
         if self.streak < self.patience:
             return
         self.streak = 0
+        what = f"{what}, {self.patience} times in a row (nonfinite_patience)"
         if self.action == "rollback":
-            self.counts["guard/rollbacks"] += 1
-            raise Rollback(what)
-        raise Fault(f"{what}, {self.patience} times in a row (nonfinite_patience): stopped; allowed: a smaller "
-                    "learning rate, a finite reward, or nonfinite_action: rollback")
+            raise Rollback(what)  # counted in guard/rollbacks by train_loop, which rolls back
+        raise Fault(f"{what}: stopped; allowed: a smaller learning rate, a finite reward, or nonfinite_action: "
+                    "rollback")
 
     def step_ok(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float, scaled: bool = False) -> bool:
         """May the optimizer step? Not when the loss, or (unless a GradScaler handles it) the gradient
@@ -139,8 +145,11 @@ class NonFiniteGuard:
 class Trainer(Protocol):
     """What `RunGuard` and `train_loop` drive: control PPO, RLHF and the supervised loop."""
 
-    update: int       # completed updates
-    optimizing: bool  # has the current update stepped the optimizer? (RunGuard resets it at each update)
+    cfg: FaultConfig        # max_rollbacks
+    update: int             # completed updates
+    optimizing: bool        # has the current update stepped the optimizer? (RunGuard resets it at each update)
+    lr_scale: float         # the learning rate's factor, lowered by each rollback
+    guard: NonFiniteGuard   # its counts: guard/rollbacks
 
     def state_dict(self) -> dict: ...  # all a checkpoint holds
 
@@ -294,8 +303,9 @@ def train_loop(trainer: Trainer, guard: RunGuard, total: int, checkpoint_every: 
     """Run `trainer.train_one_update()` until `trainer.update == total` or a stop signal; returns the
     signal's name, or None. Each update — its logging (`after_update(result)`) and checkpoint included —
     runs inside `guard.update()`, so a failure anywhere in it leaves the last completed update on disk.
-    A `Rollback` from the non-finite guard calls `trainer.rollback()` and goes on. Under torchrun the
-    ranks agree on a stop after each update (one that reached one rank first stops them all there)."""
+    A `Rollback` from a guard calls `trainer.rollback()` and goes on, `max_rollbacks` times at most
+    (`roll_back`). Under torchrun the ranks agree on a stop after each update (one that reached one rank
+    first stops them all there)."""
     with StopFlag() as stop:
         stopping = False
         while trainer.update < total and not stopping:
@@ -305,9 +315,28 @@ def train_loop(trainer: Trainer, guard: RunGuard, total: int, checkpoint_every: 
                     stopping = distributed.any_true(bool(stop))
                     if trainer.update % checkpoint_every == 0 or trainer.update == total or stopping:
                         guard.save()
-            except Rollback:
-                trainer.rollback()
+            except Rollback as e:
+                roll_back(trainer, guard, str(e))
             except StopRequested as e:  # a stop inside a user call: the last completed update is saved
                 stop.signal_name = stop.signal_name or e.signal_name
                 break
     return stop.signal_name
+
+
+def roll_back(trainer: Trainer, guard: RunGuard, why: str) -> None:
+    """A guard gave up on the current state (`why`): back to the last checkpoint, counted in
+    `guard/rollbacks` and said in one line — or, with `max_rollbacks` spent, stop there (a `Fault`:
+    nothing new is saved, the checkpoint on disk is the last good state). Every rank decides alike (the
+    guards act on global numbers)."""
+    spent, budget = trainer.guard.counts["guard/rollbacks"], trainer.cfg.max_rollbacks
+    if spent >= budget:
+        fault = Fault(f"{why}: stopped after {spent} rollbacks (max_rollbacks: {budget}; the learning rate at "
+                      f"x{trainer.lr_scale:.3g}); allowed: a smaller learning_rate, a finite reward, or a larger "
+                      "max_rollbacks")
+        fault.ppoforge_kept = resume_note(guard.saved_update, guard.resume_hint)
+        raise fault
+    trainer.rollback()
+    trainer.guard.counts["guard/rollbacks"] = spent + 1  # the rollback kept the counts as they were
+    if distributed.is_main():
+        print(f"ppoforge: {why}: rollback {spent + 1} of {budget} (max_rollbacks) to update {trainer.update}, "
+              f"the learning rate now x{trainer.lr_scale:.3g}", file=sys.stderr, flush=True)
