@@ -1,5 +1,5 @@
-"""RLHFConfig's `auto` defaults: loss_agg (the policy loss's own aggregation: GSPO's eq. 5 for gspo), every
-preset as before."""
+"""RLHFConfig's `auto` defaults: loss_agg (the policy loss's own aggregation: GSPO's eq. 5 for gspo) and
+heldout_prompts (the demo's held-out set with the demo prompts, a split of any other), every preset as before."""
 
 import pytest
 import torch
@@ -53,11 +53,14 @@ def test_gspo_with_its_default_loss_agg_is_gspos_objective_as_trl_computes_it():
 
 
 @pytest.mark.parametrize("preset", list_presets("rlhf"))
-def test_every_preset_keeps_its_loss_agg(preset):
-    """auto resolves to what the field's old default gave each preset: token_mean (no preset uses gspo)."""
+def test_every_preset_keeps_its_loss_agg_and_heldout_set(preset):
+    """auto resolves to what the field's old default gave each preset: loss_agg token_mean (no preset uses
+    gspo), heldout_prompts demo-heldout (every preset without its own trains on the demo prompts)."""
     values = read_preset(preset, "rlhf")
     cfg = build_config(RLHFConfig, values)
     assert cfg.aggregation == values.get("loss_agg", "token_mean")
+    assert cfg.heldout_source == values.get("heldout_prompts", "demo-heldout")
+    assert not cfg.heldout_split
 
 
 @pytest.mark.parametrize(("values", "agg"), [
@@ -79,3 +82,13 @@ def test_gspo_with_another_loss_agg_is_allowed_with_one_line(values, warned):
     if warned:
         assert notes[0].startswith(f"loss_agg: {values['loss_agg']} with policy_loss gspo is not GSPO's objective")
         assert "\n" not in notes[0]
+
+
+@pytest.mark.parametrize(("values", "source", "split"), [
+    ({}, "demo-heldout", False), ({"prompts": "p.jsonl"}, "p.jsonl", True),
+    ({"prompts": "p.jsonl", "heldout_prompts": "demo-heldout"}, "demo-heldout", False),
+    ({"prompts": "p.jsonl", "heldout_prompts": "none"}, None, False),
+    ({"heldout_prompts": "h.jsonl"}, "h.jsonl", False)])
+def test_heldout_auto_is_the_demos_set_for_the_demo_prompts_else_a_split(values, source, split):
+    cfg = build_config(RLHFConfig, values)
+    assert (cfg.heldout_source, cfg.heldout_split) == (source, split)

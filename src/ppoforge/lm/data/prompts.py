@@ -10,11 +10,13 @@ and metadata its checker (`--reward task`) needs.
 
 The built-in `demo` (184 prompts) and `demo-heldout` (16) sets are one shipped JSONL file with a
 `split` column: short, neutral requests ("Write one sentence about rain.") whose completions can be
-cheerful or gloomy, which is what a sentiment reward has to steer.
+cheerful or gloomy, which is what a sentiment reward has to steer. Any other prompt set is its own
+held-out set by default: `split_heldout` draws a few of its rows, the same ones at every run and resume.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 from importlib import resources
 
@@ -25,6 +27,9 @@ from ppoforge.lm.data.files import read_json_rows, read_source
 from ppoforge.lm.data.tasks import task_rows
 
 DEMO_SPLITS = {"demo": "train", "demo-heldout": "heldout"}
+# `split_heldout`: the held-out rows of a prompt set are drawn with a fixed seed (not the run's: every seed,
+# resume included, evaluates the same rows), at most SPLIT_MAX of them, none from fewer than SPLIT_MIN_ROWS rows
+SPLIT_SEED, SPLIT_MAX, SPLIT_MIN_ROWS = 0, 32, 20
 ALLOWED_SOURCES = ("a .jsonl, .json, .csv or .parquet file, a datasets hub name, demo / demo-heldout, or "
                    "task:NAME?KEY=VALUE (reasoning-gym)")
 
@@ -95,6 +100,18 @@ def without(rows: list[dict], held: list[dict], field: str) -> list[dict]:
         print(f"ppoforge: prompts: {len(rows) - len(kept)} of {len(rows)} training prompts are also held-out "
               "prompts: left out of training (heldout_disjoint)", file=sys.stderr)
     return kept
+
+
+def split_heldout(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict], list[int]]:
+    """(training rows, held-out rows, the held-out rows' indices in `rows`): round(fraction x rows) of them, at
+    least 1 and at most SPLIT_MAX, drawn with SPLIT_SEED; a set of fewer than SPLIT_MIN_ROWS rows is not split
+    (no held-out rows: every row trains)."""
+    if len(rows) < SPLIT_MIN_ROWS:
+        return rows, [], []
+    count = min(SPLIT_MAX, max(1, round(fraction * len(rows))))
+    index = sorted(random.Random(SPLIT_SEED).sample(range(len(rows)), count))
+    held = set(index)
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in index], index
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool = True) -> str:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ppoforge.errors import UserError
-from ppoforge.lm.data.prompts import load_prompts, render_prompt, without
+from ppoforge.lm.data.prompts import (
+    SPLIT_MAX,
+    SPLIT_MIN_ROWS,
+    SPLIT_SEED,
+    load_prompts,
+    render_prompt,
+    split_heldout,
+    without,
+)
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
 from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 from ppoforge.lm.models.parts import cast_linears, head_in_fp32
@@ -42,13 +50,34 @@ class RunInputs:
     heldout_prompt_ids: list[list[int]]
     score: Callable | None           # (prompts, completions, finished, rows) -> (B,) float32 scores; None
     #                                  with an env (it scores its episodes, and renders their prompts)
-    left_out: int = 0                # training rows left out as held-out prompts (heldout_disjoint)
+    left_out: int = 0                # training rows left out as held-out prompts (a split, heldout_disjoint)
     cuts: dict = field(default_factory=dict)  # per prompt set: rows, cut rows and tokens (max_prompt_tokens)
+    split: dict | None = None        # heldout_prompts auto's split of the prompts (`heldout_rows`), else None
 
     def data_report(self) -> dict:
         """What the run's data became: data_report.json in the run dir."""
         return {"prompts": len(self.prompt_rows), "heldout_prompts": len(self.heldout_prompt_rows),
-                "left_out_as_heldout": self.left_out, "cut_to_max_prompt_tokens": self.cuts}
+                "left_out_as_heldout": self.left_out, "heldout_split": self.split,
+                "cut_to_max_prompt_tokens": self.cuts}
+
+
+def heldout_rows(cfg: RLHFConfig, rows: list[dict]) -> tuple[list[dict], list[dict], dict | None]:
+    """(training rows, held-out rows, the split's record for data_report.json or None). heldout_prompts auto
+    with the user's own prompts holds out a few of them (`split_heldout`; one line says how many, or that a
+    set this small is not split); any other value names the held-out set itself."""
+    if not cfg.heldout_split:
+        return rows, load_prompts(cfg.heldout_source, cfg.prompt_field) if cfg.heldout_source else [], None
+    train, held, index = split_heldout(rows, cfg.heldout_fraction)
+    if distributed.world().is_main:
+        line = (f"{len(held)} of {len(rows)} prompts are held out of training and evaluated (heldout_fraction "
+                f"{cfg.heldout_fraction:g}, at most {SPLIT_MAX}, the same rows every run)" if held else
+                f"the {len(rows)} prompts are too few to hold some out (fewer than {SPLIT_MIN_ROWS}): no held-out "
+                "evaluation")
+        print(f"ppoforge: heldout_prompts: auto: {line}; another held-out set: heldout_prompts PATH",
+              file=sys.stderr)
+    split = {"source": cfg.prompts, "rows": len(rows), "fraction": cfg.heldout_fraction, "seed": SPLIT_SEED,
+             "heldout_rows": index}  # 0-based row indices of the prompt set
+    return train, held, split
 
 
 def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
@@ -174,8 +203,8 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     for note in cfg.notes() if distributed.world().is_main else ():
         print(f"ppoforge: {note}", file=sys.stderr)
     rows = load_prompts(cfg.prompts, cfg.prompt_field)
-    heldout = load_prompts(cfg.heldout_prompts, cfg.prompt_field) if cfg.heldout_prompts else []
     loaded = len(rows)
+    rows, heldout, split = heldout_rows(cfg, rows)
     if cfg.heldout_disjoint and heldout and not cfg.env:
         rows = without(rows, heldout, cfg.prompt_field)
     cuts: dict = {}  # prompts cut to max_prompt_tokens, per set: the run's data report
@@ -183,7 +212,7 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
                                max_tokens=cfg.max_prompt_tokens, cuts=cuts)
     if cfg.env:  # the environment's reset() gives each episode's first messages, and it scores the episode
         return RunInputs(device, precision, tokenizer, layout, stops, rows, [[] for _ in rows], heldout,
-                          [[] for _ in heldout], None, loaded - len(rows))
+                          [[] for _ in heldout], None, loaded - len(rows), split=split)
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward, cfg.reward_weights, device=device, policy_tokenizer=tokenizer,
                                  call_timeout=cfg.call_timeout, dtype=frozen_dtype, attn_implementation=attn,
@@ -193,4 +222,4 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
         name = getattr(reward_fn, "__name__", "reward_fn")
     return RunInputs(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
                       encode(heldout, what="heldout_prompts") if heldout else [],
-                      functools.partial(score, reward_fn, name), loaded - len(rows), cuts)
+                      functools.partial(score, reward_fn, name), loaded - len(rows), cuts, split)

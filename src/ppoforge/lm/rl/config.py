@@ -50,8 +50,14 @@ class RLHFConfig(FaultConfig):
     prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, demo, or "
                          "task:NAME?KEY=VALUE&... (a reasoning-gym task, with --reward task)", data=True)
     prompt_field: str = param("prompt", "field of each row that holds the prompt text")
-    heldout_prompts: str | None = param("demo-heldout", "prompts scored before and after training "
-                                        "(eval/ metrics); none to skip", resume=True)
+    heldout_prompts: str | None = param("auto", "prompts scored before and after training (eval/ metrics): a "
+                                        "prompt set as for prompts; auto: demo-heldout with the demo prompts, "
+                                        "else a held-out split of the prompts (heldout_fraction); none to skip",
+                                        resume=True)
+    heldout_fraction: float = param(0.05, "heldout_prompts auto with prompts other than demo: this share of the "
+                                    "prompt rows (at least 1, at most 32, the same rows at every run and resume) "
+                                    "is evaluated and never trained on; a set of fewer than 20 rows is not split "
+                                    "(no held-out evaluation)", gt=0, hi=0.5)
     heldout_every: int = param(0, "also evaluate the held-out prompts every this many updates (0: before and "
                                "after training only)", lo=0, hi=10**9, resume=True)
     heldout_disjoint: bool = param(True, "leave every training prompt that is also a held-out prompt (the same "
@@ -227,6 +233,20 @@ class RLHFConfig(FaultConfig):
             return self.scale_rewards
         default = self.estimator.default_scale
         return "batch" if default == "group" and self.kl_in_reward else default
+
+    @property
+    def heldout_split(self) -> bool:
+        """heldout_prompts auto with a prompt set other than the demo's: the held-out rows are a split of the
+        prompts (`lm/data/prompts.py: split_heldout`), never another task's prompts."""
+        return self.heldout_prompts == "auto" and self.prompts != "demo"
+
+    @property
+    def heldout_source(self) -> str | None:
+        """The prompt set the held-out rows come from: heldout_prompts, auto resolved (demo-heldout with the demo
+        prompts, else the prompts themselves, split); None without held-out evaluation."""
+        if self.heldout_prompts != "auto":
+            return self.heldout_prompts
+        return self.prompts if self.heldout_split else "demo-heldout"
 
     @property
     def aggregation(self) -> str:

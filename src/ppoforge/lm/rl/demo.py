@@ -117,7 +117,7 @@ def train_in_chunks(cfg: RLHFConfig, run_dir: Path, chunks: int):
 
 def exact(cfg: RLHFConfig, split: str, rows: list[dict]) -> list[tuple[bool, bool]]:
     """(answer in tags, answer exactly right) of each logged completion, by the task's own checker."""
-    spec = cfg.prompts if split == "train" else cfg.heldout_prompts
+    spec = cfg.prompts if split == "train" else cfg.heldout_source  # a split of the prompts: in cfg.prompts
     problems = {r[cfg.prompt_field]: r for r in load_prompts(spec, cfg.prompt_field)}  # same text, same answer
     found = [problems[r["prompt"]] for r in rows]
     scores = task_reward([r["prompt"] for r in rows], [r["completion"] for r in rows],
