@@ -248,8 +248,9 @@ def test_old_logprobs_sampler_and_recompute_are_taken_as_asked(cfg_for, tmp_path
         setattr(trainer.passes, name, lambda *a, name=name, method=method: calls.__setitem__(
             name, calls[name] + 1) or method(*a))
     trainer.train_one_update()
-    assert calls == ({"_policy_fast": 1, "_policy_plain": 0} if mode == "sampler"
-                     else {"_policy_fast": 0, "_policy_plain": 1})
+    chunks = trainer.cfg.rollout_size // trainer.cfg.micro_batch_size  # the passes run micro-batch chunks
+    assert calls == ({"_policy_fast": chunks, "_policy_plain": 0} if mode == "sampler"
+                     else {"_policy_fast": 0, "_policy_plain": chunks})
     assert trainer.passes.fast_reference == (mode == "sampler")
 
 
@@ -471,3 +472,32 @@ def test_prompts_within_max_prompt_tokens_say_nothing(cfg_for, tmp_path, capfd):
     trainer = RLHFTrainer(cfg_for(max_prompt_tokens=64), tmp_path, reward_fn=word_reward)
     assert "max_prompt_tokens" not in capfd.readouterr().err
     assert trainer.inputs.cuts["prompts"]["cut_rows"] == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(layout="lora", kl_coef=0.05, old_logprobs="recompute"),              # policy, values, reference passes
+    dict(layout="full", learning_rate=1e-3, kl_coef=0.05, old_logprobs="auto"),
+    dict(layout="lora", advantage="grpo", num_generations=4, kl_coef=0.05, kl_in="loss", kl_estimator="k3",
+         shared_prefix="auto"),
+], ids=["lora-ppo", "full-ppo-auto", "grpo-shared-prefix"])
+def test_scoring_passes_run_in_micro_batch_chunks_with_the_same_numbers(cfg_for, tmp_path, overrides):
+    """No scoring forward sees more rollout rows than the micro-batch (memory bounded by it, not the rollout);
+    the chunked passes give the whole rollout's numbers."""
+    grpo = "num_generations" in overrides
+    cfg = cfg_for(batch_size=4 if grpo else 8, mini_batch_size=16 if grpo else 8, micro_batch_size=4, **overrides)
+    trainer = RLHFTrainer(cfg, tmp_path, reward_fn=word_reward)
+    seen = []
+    rows_for = trainer.passes.rows_for
+    trainer.passes.rows_for = lambda ids, mask, n: seen.append(ids.shape[0]) or rows_for(ids, mask, n)
+    batch = trainer.collect(trainer.next_prompts())
+    chunked = trainer.logprobs_and_values(batch, torch.zeros(cfg.rollout_size))
+    assert seen and max(seen) <= 4 and sum(seen) >= cfg.rollout_size
+    trainer.passes.chunk_rows = cfg.rollout_size  # the whole rollout in one pass, as before
+    seen.clear()
+    whole = trainer.logprobs_and_values(batch, torch.zeros(cfg.rollout_size))
+    assert seen == [cfg.rollout_size] or seen == [cfg.rollout_size] * 2
+    for name in ("logp", "values", "ref_logp"):
+        a, b = getattr(chunked, name), getattr(whole, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -11,6 +11,9 @@ not on the code: measured on CPU, bf16 with eager attention is exact on torch 2.
 (an fp32 GEMM of the decode's B rows rounds differently from the forward's B * T rows, ~5e-7), nor is
 SDPA; GPUs are another set of kernels again.
 
+Every pass runs over `chunk_rows` rows of the rollout at a time (the training micro-batch, whole shared-prefix
+units), halved on out-of-memory: memory is bounded by the micro-batch, not by the rollout's size.
+
 Without a critic (the critic-free estimators) there are no values: None, and no critic pass; without
 a KL term (`kl_coef: 0`) there is no reference pass: its log-probs are None. With `policy=False` (a
 rollout trained in one optimizer step, see `RLHFTrainer`) nothing needs the old log-probs before the
@@ -30,6 +33,7 @@ from ppoforge.lm.models.parts import head_size
 from ppoforge.lm.models.rows import TokenRows, padded
 from ppoforge.lm.models.sampler import Samples
 from ppoforge.runtime import distributed
+from ppoforge.runtime.oom import retry_halving
 
 
 class RolloutPasses:
@@ -38,34 +42,57 @@ class RolloutPasses:
 
     def __init__(self, layout: Layout, mode: str, temperature: float, chunk_rows: int, where: str,
                  critic: bool = True, reference: bool = True, policy: bool = True,
-                 rows_for: Callable[[torch.Tensor, torch.Tensor, int], TokenRows] = padded):
+                 rows_for: Callable[[torch.Tensor, torch.Tensor, int], TokenRows] = padded,
+                 unit: Callable[[], int] = lambda: 1):
         self.layout, self.temperature, self.chunk_rows, self.where = layout, temperature, chunk_rows, where
         self.vocab = head_size(layout.policy_model)
         self.rows_for = rows_for  # the rollout -> the rows its forwards run (lm/models/rows.py)
+        self.unit = unit  # the rows rows_for keeps together (a shared-prefix unit): chunks hold whole units
         self.critic, self.reference = critic, reference
         trust = {"sampler": True, "recompute": False, "auto": None}[mode]
         self.fast_policy = trust if policy else True  # None: decided on the first rollout
         self.fast_reference = trust if layout.fast_ref_forward is not None else False
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples):
-        m, rows = samples.response_mask, None
+        """Every pass in chunks of `chunk_rows` rollout rows (whole units), halved and redone on out-of-memory:
+        the peak is one chunk's, whatever the rollout's size."""
+        parts, self.chunk_rows = retry_halving(lambda n: [self._chunk(ids[c], mask[c], _rows_of(samples, c))
+                                                          for c in self._chunks(ids.shape[0], n)],
+                                               self.chunk_rows, "scoring chunk", retry=not self.layout.sharded)
+        out = {k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]}
+        m = samples.response_mask
+        if self.fast_policy is None:  # decided on the whole rollout: the ranks and chunks decide alike
+            self.fast_policy = self._same("policy", (out["logp"], out["values"]),
+                                          (out["fast_logp"], out["fast_values"]), m, ("log-probs", "values"))
+        if out.get("fast_ref") is not None and self.fast_reference is None:
+            self.fast_reference = self._same("reference", (out["ref"],), (out["fast_ref"],), m, ("log-probs",))
+        return out["logp"], out["values"], out["ref"]
+
+    def _chunks(self, n_rows: int, chunk: int) -> list[slice]:
+        k = max(self.unit(), 1)
+        step = max(k, chunk // k * k)
+        return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
+
+    def _chunk(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples) -> dict:
+        """One chunk's logp, values and ref (None where there is no such pass); while a fast path is still
+        undecided, also its fast_logp / fast_values / fast_ref, for `_same` on the whole rollout."""
+        out, rows = {"fast_logp": None, "fast_values": None, "fast_ref": None, "ref": None}, None
         if self.fast_policy is not True or self.critic or self.reference:  # a pass will run
             rows = self.rows_for(ids, mask, samples.response_ids.shape[1])
         if self.fast_policy is None:
-            (logp, values), fast = self._policy_plain(rows, samples), self._policy_fast(rows, samples)
-            self.fast_policy = self._same("policy", (logp, values), fast, m, ("log-probs", "values"))
+            out["logp"], out["values"] = self._policy_plain(rows, samples)
+            out["fast_logp"], out["fast_values"] = self._policy_fast(rows, samples)
         else:
-            logp, values = (self._policy_fast if self.fast_policy else self._policy_plain)(rows, samples)
+            out["logp"], out["values"] = (self._policy_fast if self.fast_policy else self._policy_plain)(rows, samples)
         if not self.reference:
-            return logp, values, None
+            return out
         if self.fast_reference is None:
-            ref = self._reference(rows, samples, self.layout.ref_forward)
-            fast = self._reference(rows, samples, self.layout.fast_ref_forward)
-            self.fast_reference = self._same("reference", (ref,), (fast,), m, ("log-probs",))
+            out["ref"] = self._reference(rows, samples, self.layout.ref_forward)
+            out["fast_ref"] = self._reference(rows, samples, self.layout.fast_ref_forward)
         else:
             forward = self.layout.fast_ref_forward if self.fast_reference else self.layout.ref_forward
-            ref = self._reference(rows, samples, forward)
-        return logp, values, ref
+            out["ref"] = self._reference(rows, samples, forward)
+        return out
 
     def _logprobs(self, head, hidden: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
         """fp32 log-probs of resp (B, T) from hidden (B, T, H), `chunk_rows` rows at a time: the training
@@ -107,3 +134,11 @@ class RolloutPasses:
             print(f"ppoforge: the fast {what} path differs from the training forward ({diff}) on {self.where}: "
                   f"{fix}", file=sys.stderr)
         return False
+
+
+def _rows_of(samples: Samples, rows: slice) -> Samples:
+    """Rows `rows` of a rollout's samples."""
+    def part(x):
+        return None if x is None else x[rows]
+    return Samples(samples.response_ids[rows], samples.response_mask[rows], samples.logp[rows],
+                   samples.finished[rows], part(samples.hidden), part(samples.token_mask))

@@ -55,7 +55,7 @@ from ppoforge.lm.rl.heldout import Heldout
 from ppoforge.lm.rl.passes import RolloutPasses
 from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
 from ppoforge.lm.rl.update import PPOUpdate
-from ppoforge.runtime import distributed, runstate
+from ppoforge.runtime import distributed, rundir, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, open_run_dir, plot_curves
@@ -135,7 +135,7 @@ class RLHFTrainer:
         where = f"{self.inputs.device.type} / {self.precision.name} / {self.policy_attention()} attention"
         return RolloutPasses(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
                              critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy,
-                             rows_for=plan.rows)
+                             rows_for=plan.rows, unit=lambda: plan.k)
 
     # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
@@ -379,8 +379,9 @@ def _cell(text: str) -> str:
 
 def train(cfg: RLHFConfig, run_dir: Path, resume: bool = False, reward_fn=None) -> TrainResult:
     """Train (or, with resume, continue) an RLHF run in `run_dir`. `reward_fn` overrides cfg.reward."""
-    trainer = RLHFTrainer(cfg, run_dir, reward_fn)
-    if resume:
-        # on CPU: generator states must be CPU tensors; optimizer state moves to its params' device itself
-        trainer.resume()
-    return trainer.run()
+    with rundir.hold(run_dir):  # one run at a time in a run dir
+        trainer = RLHFTrainer(cfg, run_dir, reward_fn)
+        if resume:
+            # on CPU: generator states must be CPU tensors; optimizer state moves to its params' device itself
+            trainer.resume()
+        return trainer.run()
