@@ -501,3 +501,25 @@ def test_scoring_passes_run_in_micro_batch_chunks_with_the_same_numbers(cfg_for,
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("new_shape", [True, False])
+def test_old_logprobs_auto_is_checked_again_when_the_rollouts_shape_class_changes(cfg_for, tmp_path, capfd,
+                                                                                new_shape):
+    """A fast path found exact on update 1 drifts later: a rollout of a new shape class (here a chunk halved,
+    as after an out-of-memory) checks again and switches to recompute, with the line; the same class does not
+    pay the check again."""
+    trainer = RLHFTrainer(cfg_for(old_logprobs="auto", kl_coef=0.0), tmp_path, reward_fn=word_reward)
+    passes = trainer.passes
+    plain = passes._policy_plain
+    passes._policy_fast = lambda rows, samples: plain(rows, samples)  # update 1: the fast path is exact
+    trainer.train_one_update()
+    assert passes.fast_policy is True
+    capfd.readouterr()
+    passes._policy_fast = lambda rows, samples: (plain(rows, samples)[0] + 1e-3, plain(rows, samples)[1])  # drift
+    if new_shape:
+        passes.chunk_rows //= 2
+    trainer.train_one_update()
+    assert passes.fast_policy is (not new_shape)
+    err = capfd.readouterr().err
+    assert ("the fast policy path differs from the training forward (log-probs by up to 0.001" in err) == new_shape

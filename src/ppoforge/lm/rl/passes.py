@@ -6,10 +6,11 @@ lean decoder's prepared weights. The plain path runs the training forward (Huggi
 the policy and the reference. PPO's ratio at the first mini-batch must be exactly 1 and the KL of an
 untrained policy exactly 0, so the fast path is used only where it is bit-identical to the plain one:
 with `old_logprobs: auto` the first rollout computes both, keeps the plain numbers, and decides for the
-rest of the run, separately for the policy and the reference. Whether they agree depends on kernels,
-not on the code: measured on CPU, bf16 with eager attention is exact on torch 2.6 and 2.13; fp32 is not
-(an fp32 GEMM of the decode's B rows rounds differently from the forward's B * T rows, ~5e-7), nor is
-SDPA; GPUs are another set of kernels again.
+rollouts of its shape class (rows, length bucket, chunk size), separately for the policy and the reference;
+a rollout of another class checks again, and a path found inexact is recomputed for the rest of the run.
+Whether they agree depends on kernels, not on the code: measured on CPU, bf16 with eager attention is
+exact on torch 2.6 and 2.13; fp32 is not (an fp32 GEMM of the decode's B rows rounds differently from the
+forward's B * T rows, ~5e-7), nor is SDPA; GPUs are another set of kernels again.
 
 Every pass runs over `chunk_rows` rows of the rollout at a time (the training micro-batch, whole shared-prefix
 units), halved on out-of-memory: memory is bounded by the micro-batch, not by the rollout's size.
@@ -52,10 +53,16 @@ class RolloutPasses:
         trust = {"sampler": True, "recompute": False, "auto": None}[mode]
         self.fast_policy = trust if policy else True  # None: decided on the first rollout
         self.fast_reference = trust if layout.fast_ref_forward is not None else False
+        # `auto`'s decisions hold for one shape class: kernels change with the row count, the length and the
+        # chunk (cuBLAS heuristics, oneDNN blocking, a chunk halved after an out-of-memory)
+        self.recheck = {"policy": mode == "auto" and policy,
+                        "reference": mode == "auto" and self.fast_reference is None}
+        self.shape_class: tuple | None = None
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, samples: Samples):
         """Every pass in chunks of `chunk_rows` rollout rows (whole units), halved and redone on out-of-memory:
         the peak is one chunk's, whatever the rollout's size."""
+        self._recheck_on_new_shape(ids)
         parts, self.chunk_rows = retry_halving(lambda n: [self._chunk(ids[c], mask[c], _rows_of(samples, c))
                                                           for c in self._chunks(ids.shape[0], n)],
                                                self.chunk_rows, "scoring chunk", retry=not self.layout.sharded)
@@ -67,6 +74,17 @@ class RolloutPasses:
         if out.get("fast_ref") is not None and self.fast_reference is None:
             self.fast_reference = self._same("reference", (out["ref"],), (out["fast_ref"],), m, ("log-probs",))
         return out["logp"], out["values"], out["ref"]
+
+    def _recheck_on_new_shape(self, ids: torch.Tensor) -> None:
+        """With `auto`, a fast path found exact is checked again when the rollout's shape class changes: its
+        rows, its length (bucketed to a power of 2) or the chunk size."""
+        shape_class = (ids.shape[0], 1 << max(ids.shape[1] - 1, 0).bit_length(), self.chunk_rows)
+        if shape_class != self.shape_class and self.shape_class is not None:
+            if self.recheck["policy"] and self.fast_policy is True:
+                self.fast_policy = None
+            if self.recheck["reference"] and self.fast_reference is True:
+                self.fast_reference = None
+        self.shape_class = shape_class
 
     def _chunks(self, n_rows: int, chunk: int) -> list[slice]:
         k = max(self.unit(), 1)
