@@ -7,7 +7,8 @@
   through Hugging Face's module stack (decorators, output dataclasses, cache objects); at small model
   sizes that overhead, not arithmetic, is the decode time. RoPE comes from the model's own
   `rotary_emb` module, so every rope scaling type it supports is reproduced exactly.
-- `HFDecoder`: the model's own forward with a `DynamicCache` and our 4D masks, for any other model.
+- `HFDecoder`: the model's own forward with a `DynamicCache` and our 4D masks, for any other model (and
+  a windowed one: sliding-window or chunked layers, see `windows.py`).
 
 Both read the same masks and positions (`attention.py`), so their log-probs agree with the trainer's
 full forward to fp32 rounding; LlamaDecoder also computes norms and eager attention as Hugging Face
@@ -33,6 +34,7 @@ from ppoforge.lm.models import prepared
 from ppoforge.lm.models.attention import as_attention_bias, causal_mask, chunk_attention, position_ids
 from ppoforge.lm.models.parts import head_computes_in_fp32
 from ppoforge.lm.models.rows import TokenRows
+from ppoforge.lm.models.windows import attention_window
 
 # transformers renamed `past_key_values` to `cache` in 5.x; pass whichever this version takes.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -73,10 +75,19 @@ def is_llama_family(config) -> bool:
 
 
 class HFDecoder:
-    """The model's own forward: works for any Hugging Face causal LM."""
+    """The model's own forward: works for any Hugging Face causal LM.
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    It reads our 4D masks, which index every cache slot, so its cache keeps every slot: a windowed model's
+    own cache (`DynamicCache(config=...)`) keeps a sliding layer's last W - 1 keys alone, which no longer
+    matched the mask past the window (a crash). Those masks make a windowed model exact while each row's
+    real tokens fit its window (`windows.py`), as in every other forward of a run. `own_masks` hands the
+    model 2D key masks instead, so it builds each layer's mask itself, windows included, over its own cache:
+    what `generate` does, exact at any length for rows without holes (SFT's samples, not `extend`'s turns).
+    """
+
+    def __init__(self, model: nn.Module, own_masks: bool = False):
+        self.model, self.own_masks = model, own_masks
+        self.windowed = attention_window(model.config) is not None
 
     def _logits(self, ids, attn, pos):
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -90,11 +101,16 @@ class HFDecoder:
         pos = position_ids(prompt_mask)
         self.next_pos = pos[:, -1:] + 1  # left padding puts every row's last real token at the end
         self.filled = self.n_prompt  # cache slots written (by prefill and `extend`; `step` counts in t)
-        self.cache = DynamicCache(config=self.model.config)
-        return self._logits(prompt_ids, as_attention_bias(causal_mask(prompt_mask), self.model), pos)
+        every_slot = self.windowed and not self.own_masks
+        self.cache = DynamicCache() if every_slot else DynamicCache(config=self.model.config)
+        attn = self.keys[:, :self.n_prompt] if self.own_masks else as_attention_bias(causal_mask(prompt_mask),
+                                                                                     self.model)
+        return self._logits(prompt_ids, attn, pos)
 
     def step(self, tokens, t):
-        return self._logits(tokens[:, None], self.step_bias[..., :self.n_prompt + t + 1], self.next_pos + t)
+        n = self.n_prompt + t + 1
+        return self._logits(tokens[:, None], self.keys[:, :n] if self.own_masks else self.step_bias[..., :n],
+                            self.next_pos + t)
 
     def extend(self, ids, valid):
         """Append a (B, S) chunk whose `valid` (B, S) bool marks each row's real tokens; the holes take
@@ -103,7 +119,8 @@ class HFDecoder:
         self.filled += ids.shape[1]
         pos = (self.next_pos + offsets).clamp(min=0)
         self.next_pos = self.next_pos + valid.sum(1, keepdim=True)
-        return self._logits(ids, as_attention_bias(allowed, self.model), pos)
+        attn = self.keys[:, :self.filled] if self.own_masks else as_attention_bias(allowed, self.model)
+        return self._logits(ids, attn, pos)
 
     def repeat(self, n):
         self.cache.batch_repeat_interleave(n)

@@ -30,6 +30,7 @@ from ppoforge.lm.data.prompts import (
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
 from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 from ppoforge.lm.models.parts import cast_linears, head_in_fp32
+from ppoforge.lm.models.windows import check_window
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.rewards import build_reward, score
 from ppoforge.runtime import distributed
@@ -133,6 +134,15 @@ def check_sequence_fits(cfg: RLHFConfig, model_config) -> None:
                         f"{need} positions, more than the model's {limit}; allowed: a sum <= {limit}")
 
 
+def check_sequence_window(cfg: RLHFConfig, model_config, field: str = "model") -> None:
+    """A prompt plus a response must fit every windowed layer's window (`windows.py`: the run's 4D masks give
+    every layer full attention, which is the model only within its window)."""
+    what = "max_episode_tokens" if cfg.env else "max_new_tokens"
+    check_window(model_config, cfg.max_prompt_tokens + cfg.episode_tokens,
+                 f"max_prompt_tokens {cfg.max_prompt_tokens} + {what} {cfg.episode_tokens}",
+                 f"rows within the window (max_prompt_tokens + {what} <= {{window}})", field)
+
+
 # On CPU, `auto` attention is eager up to this many positions a row (prompt + completion budget), SDPA
 # beyond. Eager keeps every layer's (rows, heads, T, T) probabilities for backward: at SmolLM2's shape, G 8 and
 # 158 + 512 tokens that was 19.9 GiB of peak RSS against SDPA's 16.1 for 3 % more time; at 158 + 128 tokens
@@ -182,6 +192,8 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) 
     elif cfg.kl_coef:
         reference = cast_linears(load(torch.float32), frozen_dtype)
     critic = load_reward_model(cfg.critic_model, torch.float32, device, **kw) if cfg.critic_model else None
+    if critic is not None:  # it reads the policy's rows
+        check_sequence_window(cfg, critic.config, "critic_model")
     layout = build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
     if sharded:
         layout.shard(sharded)
@@ -199,6 +211,7 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
     frozen_dtype = precision.dtype or torch.float32  # weights that never train: the reference, reward models
     layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
     check_sequence_fits(cfg, layout.policy_model.config)
+    check_sequence_window(cfg, layout.policy_model.config)  # the policy, and the reference: the same model
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)
     for note in cfg.notes() if distributed.world().is_main else ():
         print(f"ppoforge: {note}", file=sys.stderr)

@@ -32,6 +32,7 @@ from ppoforge.lm.data.tasks import task_reward
 from ppoforge.lm.models.attention import right_pad
 from ppoforge.lm.models.loading import has_tokenizer_files, is_causal, load_reward_model, load_tokenizer
 from ppoforge.lm.models.rows import attention_cost, branch_rows, branch_work
+from ppoforge.lm.models.windows import attention_window
 from ppoforge.lm.supervised.examples import reward_input_ids
 from ppoforge.runtime.usercode import call_user, load_python
 
@@ -102,7 +103,7 @@ class RewardModelScorer:
     With `share_prefix` a causal model with a `score` head scores k consecutive texts as one row, the
     tokens they begin with once (`rows.branch_rows`: a GRPO group's prompt, a chat template's header), each
     score read at its text's last token; k (1: padded rows) is the one whose rows cost least
-    (`rows.branch_work`), per call.
+    (`rows.branch_work`), per call — 1 when a text is longer than a windowed model's window (`windows.py`).
     """
 
     def __init__(self, name_or_path: str, tokenizer=None, device="cpu", dtype: torch.dtype = torch.float32,
@@ -115,13 +116,17 @@ class RewardModelScorer:
         self.head = getattr(self.model, "score", None)
         self.share = share_prefix and self.head is not None and is_causal(self.model.config.model_type)
         self.cost = attention_cost(self.model.config) if self.share else 0.0
+        # branch rows' tree mask is one 4D mask for every layer: exact for a windowed model only while each
+        # text fits its window; longer texts go right-padded, through the model's own per-layer masks
+        self.window = attention_window(self.model.config)
 
     def input_ids(self, prompts: list[str], completions: list[str]) -> list[list[int]]:
         return [reward_input_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions, strict=True)]
 
     def group_size(self, rows: list[list[int]]) -> int:
         """The k of 1, 2, 4, ... (dividing batch_size) whose rows cost least over all batches of `rows`."""
-        sizes = [k for k in range(1, self.batch_size + 1) if self.batch_size % k == 0] if self.share else [1]
+        fits = self.window is None or max(map(len, rows), default=0) <= self.window
+        sizes = [k for k in range(1, self.batch_size + 1) if self.batch_size % k == 0] if self.share and fits else [1]
         batches = [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
 
         def work(k: int) -> float:

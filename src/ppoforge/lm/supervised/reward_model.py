@@ -25,6 +25,7 @@ from ppoforge.lm.models.attention import right_pad
 from ppoforge.lm.models.loading import is_causal, load_reward_model
 from ppoforge.lm.models.parts import export_model, lora_config, lora_wrap
 from ppoforge.lm.models.rows import branch_rows, shared_length
+from ppoforge.lm.models.windows import attention_window
 from ppoforge.lm.supervised.config import RewardConfig
 from ppoforge.lm.supervised.examples import Pair, preference_pairs
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
@@ -57,6 +58,10 @@ class RewardObjective:
         self._trainable = [(n, p) for n, p in self.model.named_parameters()
                            if cfg.layout == "full" or "lora_" in n or "modules_to_save" in n]
         self.causal = is_causal(model.config.model_type)
+        # branch rows' tree mask is one 4D mask for every layer: exact for a windowed model only while a side
+        # fits its window (windows.py); past it right-padded rows get the model's own per-layer masks
+        window = attention_window(model.config)
+        self.within_window = window is None or cfg.max_length <= window
         self.backbone, self.head = getattr(model, model.base_model_prefix), getattr(model, "score", None)
         for _, p in self._trainable:
             p.requires_grad_(True)
@@ -79,8 +84,9 @@ class RewardObjective:
     @property
     def branched(self) -> bool:
         """One row per pair (the prompt once): a causal model with its `score` head, called part by part,
-        which FSDP's root (the whole model) would not gather."""
-        return self.cfg.shared_prefix == "auto" and self.causal and self.head is not None and not self.sharded
+        which FSDP's root (the whole model) would not gather, whose windows (if any) hold max_length."""
+        return (self.cfg.shared_prefix == "auto" and self.causal and self.head is not None and not self.sharded
+                and self.within_window)
 
     def size(self, item: Pair) -> int:
         if self.branched:

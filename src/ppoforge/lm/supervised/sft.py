@@ -18,6 +18,7 @@ import torch
 
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import as_attention_bias, left_pad
+from ppoforge.lm.models.decoders import HFDecoder
 from ppoforge.lm.models.loading import load_causal_lm
 from ppoforge.lm.models.logprobs import head_logprobs
 from ppoforge.lm.models.parts import (
@@ -29,6 +30,7 @@ from ppoforge.lm.models.parts import (
     lora_wrap,
 )
 from ppoforge.lm.models.sampler import SamplingParams, sample
+from ppoforge.lm.models.windows import attention_window, check_window
 from ppoforge.lm.supervised.config import SFTConfig
 from ppoforge.lm.supervised.examples import Example, sft_examples
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
@@ -54,6 +56,10 @@ class SFTObjective:
         self.eval_items = [[ex] for ex in held]
         dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
         model = load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+        if cfg.packing:  # a packed row's block mask is one 4D mask for every layer: full attention (windows.py)
+            check_window(model.config, cfg.max_length, f"packed examples of up to max_length {cfg.max_length}",
+                         "packing false (one example a row: the model's own masks, exact at any length), or "
+                         "max_length <= {window}", "packing")
         self.model = (lora_wrap(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, "CAUSAL_LM"))
                       if cfg.layout == "lora" else model.train(False))
         self.lm = self.model.get_base_model() if cfg.layout == "lora" else self.model
@@ -134,7 +140,9 @@ class SFTObjective:
         ids, mask = left_pad(rendered, self.tokenizer.pad_token_id, self.device)
         params = SamplingParams(self.cfg.sample_tokens, 0.7, 0, 1.0, (self.tokenizer.eos_token_id,),
                                 self.tokenizer.pad_token_id)
-        samples = sample(self.lm, ids, mask, params, torch.Generator(self.device).manual_seed(self.cfg.seed))
+        # a windowed model builds its own per-layer masks: prompt + sample_tokens may outgrow its window
+        model = HFDecoder(self.lm, own_masks=True) if attention_window(self.lm.config) else self.lm
+        samples = sample(model, ids, mask, params, torch.Generator(self.device).manual_seed(self.cfg.seed))
         lengths = samples.response_mask.sum(1).long().tolist()
         rows = [r[:n] for r, n in zip(samples.response_ids.tolist(), lengths, strict=True)]
         texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
