@@ -89,6 +89,36 @@ def test_a_new_run_refuses_a_used_run_dir_and_overwrite_replaces_it(capsys, refe
     assert code == 0 and len((run / "metrics.jsonl").read_text().splitlines()) == 2  # a fresh 2-update run
 
 
+def test_a_run_dir_in_use_refuses_a_second_run_and_a_resume_and_nothing_in_it_changes(capsys, reference_run,
+                                                                                       tmp_path):
+    """Two runs started into one run dir both ran (metrics.jsonl: 1,1,2,2,...), and a --resume of a run
+    still going ran beside it: while a run holds its run dir, a new run (--overwrite too) and a --resume
+    are refused in one line naming it, and nothing there changes; once it has ended the resume goes on."""
+    import shutil
+
+    from ppoforge.runtime.rundir import RunDirLock
+
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    files = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    running = RunDirLock(run)  # what the run still going holds (its trainer's `rundir.hold`)
+    running.acquire()
+    try:
+        for argv in ([*TINY, "--total-steps", "64", "--run-dir", str(run)],
+                     [*TINY, "--total-steps", "64", "--run-dir", str(run), "--overwrite"],
+                     ["--resume", str(run), "--total-steps", "320"]):
+            code, err = _cli(capsys, "train", "control", *argv)
+            assert code == 2 and len(err.splitlines()) == 1, err
+            assert f"run_dir: {run} is in use by pid {os.getpid()} on " in err and \
+                "allowed: another --run-dir, or wait for that run to end" in err, err
+            assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"} == files
+    finally:
+        running.release()
+    code, err = _cli(capsys, "train", "control", "--resume", str(run), "--total-steps", "320")
+    assert code == 0, err
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 10 and not (run / ".lock").exists()
+
+
 @pytest.mark.parametrize("change, refused", [
     (["--num-envs", "8"], "num_envs (2 -> 8)"),
     (["--env-id", "Acrobot-v1", "--hidden-size", "32"], "env_id ('CartPole-v1' -> 'Acrobot-v1'), hidden_size"),

@@ -150,3 +150,18 @@ def test_two_ranks_under_torchrun_write_one_summary_equal_to_one_process(tmp_pat
         for key, value in a[stage].items():
             if not key.startswith("perf/") and isinstance(value, float):
                 assert b[stage][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (stage, key)
+
+
+def test_a_pipeline_whose_run_dir_is_in_use_is_refused_before_any_stage_runs(tmp_path, capsys):
+    from ppoforge.runtime.rundir import RunDirLock
+
+    spec = {"sft": {"model": "no-such-model", "data": "no-such-data.jsonl"}}
+    running = RunDirLock(tmp_path / "run")  # the same pipeline, still going
+    running.acquire()
+    try:
+        code = main(["pipeline", str(_write(tmp_path, spec)), "--run-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and f"run_dir: {tmp_path / 'run'} is in use by pid {os.getpid()}" in err[0]
+        assert [p.name for p in (tmp_path / "run").iterdir()] == [".lock"]  # no stage began
+    finally:
+        running.release()

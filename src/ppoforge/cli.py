@@ -23,6 +23,7 @@ every other command never load transformers, peft, gymnasium or the trainers the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -68,8 +69,8 @@ def _new_run_dir(root: str, name: str) -> Path:
 
 def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]:
     """--resume: the run dir's saved config plus the overrides a resume may change, and the code it names
-    checked against the code the run started with; else preset plus overrides into a new (or, with
-    --overwrite, emptied) run dir. Validation only: nothing is written here."""
+    checked against the code the run started with; else preset plus overrides and a new run dir. Validation
+    only: nothing is written here (`_held` then holds the run dir and, for a new run, clears it)."""
     overrides = overrides_from_args(args)
     if args.resume:
         if args.preset or args.run_dir:
@@ -82,8 +83,17 @@ def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]
     values = read_preset(args.preset, domain) if args.preset else {}
     cfg = build_config(cls, {**values, **overrides})
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, run_name(cfg))
-    rundir.prepare_new_run_dir(run_dir, args.overwrite)
     return cfg, run_dir
+
+
+@contextlib.contextmanager
+def _held(args, run_dir: Path):
+    """The command's run dir held against a second run (`rundir.hold`) from before a new run's
+    `prepare_new_run_dir` (which refuses a used one, and with --overwrite clears it) to the command's end."""
+    with rundir.hold(run_dir):
+        if not getattr(args, "resume", None):
+            rundir.prepare_new_run_dir(run_dir, args.overwrite)
+        yield
 
 
 def _report(line: str) -> None:
@@ -106,7 +116,8 @@ def _cmd_train_control(args) -> int:
     from ppoforge.control.trainer import train
 
     cfg, run_dir = _config_and_run_dir(args, ControlConfig, "control", lambda c: f"{c.env_id}-s{c.seed}")
-    result = train(cfg, run_dir, resume=bool(args.resume))
+    with _held(args, run_dir):
+        result = train(cfg, run_dir, resume=bool(args.resume))
     recent = result.recent_returns[-20:]
     mean = sum(recent) / len(recent) if recent else float("nan")
     _report(f"{_status(result.stopped_by)}: {result.global_step:,} steps, mean return of last {len(recent)} "
@@ -119,7 +130,8 @@ def _cmd_train_rlhf(args) -> int:
     from ppoforge.lm.rl.trainer import train
 
     cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
-    result = train(cfg, run_dir, resume=bool(args.resume))
+    with _held(args, run_dir):
+        result = train(cfg, run_dir, resume=bool(args.resume))
     score = result.last_metrics.get("objective/scores", float("nan"))
     _report(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
           f"last mean score {score:.3f}; run dir {result.run_dir}")
@@ -131,7 +143,8 @@ def _cmd_train_sft(args) -> int:
     from ppoforge.lm.supervised.sft import train
 
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
-    result = train(cfg, run_dir, resume=bool(args.resume))
+    with _held(args, run_dir):
+        result = train(cfg, run_dir, resume=bool(args.resume))
     loss = result.get("eval/loss", result.get("train/loss", float("nan")))
     _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; "
             f"{_export(result, run_dir)}")
@@ -143,7 +156,8 @@ def _cmd_train_reward(args) -> int:
     from ppoforge.lm.supervised.reward_model import train
 
     cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
-    result = train(cfg, run_dir, resume=bool(args.resume))
+    with _held(args, run_dir):
+        result = train(cfg, run_dir, resume=bool(args.resume))
     accuracy = result.get("eval/accuracy", float("nan"))
     _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
           f"{_export(result, run_dir)}")
@@ -196,8 +210,8 @@ def _cmd_demo(args) -> int:
 
     name = "demo" if args.task == "sentiment" else f"demo-{args.task}"
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, name)
-    rundir.prepare_new_run_dir(run_dir, args.overwrite)
-    run_demo(run_dir, overrides_from_args(args), args.task)
+    with _held(args, run_dir):
+        run_demo(run_dir, overrides_from_args(args), args.task)
     return 0
 
 

@@ -118,6 +118,12 @@ def run_pipeline(config_path: Path, run_dir: Path, trusted: bool = False) -> dic
     """Run the stages in order, skipping finished ones; returns the summary (also run_dir/summary.json).
     Under torchrun every rank runs each stage's trainer; rank 0 alone prints and writes the summaries."""
     configs = stage_configs(read_pipeline(config_path), Path(run_dir))
+    with rundir.hold(run_dir):  # one pipeline at a time in it (each stage's trainer holds its own folder too)
+        return _run_stages(configs, Path(run_dir), trusted)
+
+
+def _run_stages(configs: dict, run_dir: Path, trusted: bool) -> dict:
+    """`run_pipeline`'s work, its run dir held."""
     for stage, cfg in configs.items():  # before any stage runs, as the configs' checks
         if (Path(run_dir) / stage / "stage.json").is_file():
             _check_finished(stage, cfg, Path(run_dir) / stage, trusted)

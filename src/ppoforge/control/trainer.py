@@ -29,7 +29,7 @@ from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime import distributed, runstate
+from ppoforge.runtime import distributed, rundir, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import open_run_dir, plot_curves
@@ -193,11 +193,12 @@ class ControlTrainer:
 
 def train(cfg: ControlConfig, run_dir: Path, resume: bool = False) -> TrainResult:
     """Train (or, with resume, continue) a run in `run_dir`, then draw its learning curve."""
-    trainer = ControlTrainer(cfg, run_dir)
-    if resume:
-        trainer.resume()
-    result = trainer.run()
-    if trainer.world.is_main:
-        plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",
-                    "losses/approx_kl"], Path(run_dir) / "learning_curve.png", title=cfg.env_id)
+    with rundir.hold(run_dir):  # one run at a time in a run dir
+        trainer = ControlTrainer(cfg, run_dir)
+        if resume:
+            trainer.resume()
+        result = trainer.run()
+        if trainer.world.is_main:
+            plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",
+                        "losses/approx_kl"], Path(run_dir) / "learning_curve.png", title=cfg.env_id)
     return result

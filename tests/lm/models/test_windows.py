@@ -140,9 +140,9 @@ def test_rlhf_refusal_through_the_cli_is_exit_2(checkpoints, prompts_path, tmp_p
                  "--total-updates", "1", "--device", "cpu", "--progress", "false", "--tensorboard", "false",
                  "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 2
-    assert err.startswith(f"ppoforge: error: {LINES['gemma3']}, and this run's rows reach 17 positions"), err
-    assert "Traceback" not in err and err.count("ppoforge: error:") == 1
+    errors = [line for line in err.splitlines() if line.startswith("ppoforge: error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"ppoforge: error: {LINES['gemma3']}, and this run's rows reach 17 positions"), err
 
 
 def test_rlhf_critic_model_with_a_window_is_checked_too(checkpoints, prompts_path, tmp_path):

@@ -29,7 +29,7 @@ from ppoforge.lm.models.windows import attention_window
 from ppoforge.lm.supervised.config import RewardConfig
 from ppoforge.lm.supervised.examples import Pair, preference_pairs
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
-from ppoforge.runtime import distributed
+from ppoforge.runtime import distributed, rundir
 from ppoforge.runtime.fsdp import shard_model
 from ppoforge.runtime.precision import make_precision
 
@@ -151,7 +151,8 @@ def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
 
 def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
-    trainer = SupervisedTrainer(cfg, run_dir, RewardObjective(cfg, run_dir))
-    if resume:
-        trainer.resume()
-    return trainer.run()
+    with rundir.hold(run_dir):  # one run at a time in a run dir
+        trainer = SupervisedTrainer(cfg, run_dir, RewardObjective(cfg, run_dir))
+        if resume:
+            trainer.resume()
+        return trainer.run()

@@ -35,7 +35,7 @@ from ppoforge.lm.supervised.config import SFTConfig
 from ppoforge.lm.supervised.examples import Example, sft_examples
 from ppoforge.lm.supervised.loop import SupervisedTrainer, load_data, prepare
 from ppoforge.lm.supervised.packing import collate, pack
-from ppoforge.runtime import distributed
+from ppoforge.runtime import distributed, rundir
 from ppoforge.runtime.fsdp import full_weights, reshard, shard_model
 from ppoforge.runtime.precision import make_precision
 
@@ -175,7 +175,8 @@ def _prompt_of(row: dict):
 
 def train(cfg: SFTConfig, run_dir: Path, resume: bool = False) -> dict:
     """Fine-tune (or, with resume, continue) in `run_dir`; the model is exported to run_dir/model."""
-    trainer = SupervisedTrainer(cfg, run_dir, SFTObjective(cfg, run_dir))
-    if resume:
-        trainer.resume()
-    return trainer.run()
+    with rundir.hold(run_dir):  # one run at a time in a run dir
+        trainer = SupervisedTrainer(cfg, run_dir, SFTObjective(cfg, run_dir))
+        if resume:
+            trainer.resume()
+        return trainer.run()
