@@ -1,4 +1,5 @@
-"""Evaluate a trained control run: episodes with the greedy and the sampled policy, mean ± std return."""
+"""Evaluate a trained control run: episodes with the greedy and the sampled policy, mean ± std return.
+The environment is called through the user-code boundary of control/envs.py, as in training."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch
 from ppoforge.config import load_saved_config
 from ppoforge.control.agent import ActorCritic, NumpyPolicy
 from ppoforge.control.config import ControlConfig
+from ppoforge.control.envs import checked_reset, checked_step
 from ppoforge.control.trainer import CHECKPOINT
 from ppoforge.core.stats import RunningMeanStd
 from ppoforge.runtime.checkpoint import load_checkpoint
+from ppoforge.runtime.usercode import call_user
 
 
 def load_agent(run_dir: Path) -> tuple[ControlConfig, ActorCritic, RunningMeanStd | None]:
@@ -30,12 +33,12 @@ def load_agent(run_dir: Path) -> tuple[ControlConfig, ActorCritic, RunningMeanSt
 
 def run_episodes(cfg: ControlConfig, agent: ActorCritic, obs_rms: RunningMeanStd | None, episodes: int,
                  deterministic: bool, seed: int) -> list[float]:
-    env = gym.make(cfg.env_id)
+    env = call_user(lambda: gym.make(cfg.env_id, disable_env_checker=True), f"environment {cfg.env_id}: making it")
     policy = NumpyPolicy(agent, np.random.default_rng(seed))
     space = env.action_space
     returns = []
     for ep in range(episodes):
-        obs, _ = env.reset(seed=seed + ep)
+        obs = checked_reset(env, cfg.env_id, seed + ep)
         total, done = 0.0, False
         while not done:
             x = obs[None].astype(np.float32)
@@ -48,7 +51,7 @@ def run_episodes(cfg: ControlConfig, agent: ActorCritic, obs_rms: RunningMeanStd
                 action = policy.act(x)[0][0]
             if isinstance(space, gym.spaces.Box):
                 action = np.clip(action, space.low, space.high)
-            obs, reward, terminated, truncated, _ = env.step(action)
+            obs, reward, terminated, truncated = checked_step(env, cfg.env_id, action)
             total += float(reward)
             done = terminated or truncated
         returns.append(total)

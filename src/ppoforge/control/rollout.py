@@ -7,6 +7,8 @@ Rollout arrays are numpy and time-major, (T, N, ...).
 Autoreset (gymnasium 1.x next-step mode): when step t ends an episode, obs[t + 1] is the true final
 observation, so values[t + 1] = V(final obs) bootstraps a truncation; step t + 1 itself is the reset
 step and is marked invalid (`valid[t + 1] = False`): its reward is 0 and its action was ignored.
+Every call into the environment (`reset`, `step`, pickling it) crosses the user-code boundary of
+control/envs.py: what it raises or returns wrong is one line naming it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import numpy as np
 import torch
 
 from ppoforge.control.agent import Policy
-from ppoforge.control.envs import action_bounds, snapshots_exactly
+from ppoforge.control.envs import action_bounds, checked_reset, checked_step, snapshots_exactly
 from ppoforge.core.stats import RunningMeanStd
+from ppoforge.runtime.usercode import call_user
 
 
 @dataclass
@@ -38,8 +41,8 @@ class Rollout:
 
 class EnvRunner:
     def __init__(self, envs, seed: int, gamma: float, normalize_obs: bool, normalize_reward: bool,
-                 clip_obs: float, clip_reward: float, gather=None):
-        self.envs, self.gamma = envs, gamma
+                 clip_obs: float, clip_reward: float, gather=None, name: str = "environment"):
+        self.envs, self.gamma, self.name = envs, gamma, name  # name: the env id, in the boundary's errors
         # the normalizers see every rank's envs under torchrun (`distributed.all_gather_np`: rows in the
         # global env order), so their statistics are the single-process ones on every rank
         self.gather = gather or (lambda a: a)
@@ -49,7 +52,7 @@ class EnvRunner:
         self.obs_rms = RunningMeanStd((obs_dim,)) if normalize_obs else None
         self.ret_rms = RunningMeanStd(()) if normalize_reward else None
         self.bounds = action_bounds(envs)
-        raw, _ = envs.reset(seed=seed)
+        raw = checked_reset(envs, name, seed)
         envs.action_space.seed(seed)
         self.obs = self._normalize_obs(raw)
         self.reset_pending = np.zeros(self.n, bool)
@@ -88,7 +91,7 @@ class EnvRunner:
             action, logp_buf[t], value_buf[t] = policy.act(self.obs)
             actions.append(action)
             env_action = action if self.bounds is None else np.clip(action, *self.bounds)
-            raw, reward, terminated, truncated, _ = self.envs.step(env_action)
+            raw, reward, terminated, truncated = checked_step(self.envs, self.name, env_action)
             ended = terminated | truncated
             if self.reset_pending.any():  # those envs just reset: not a real transition
                 valid = valid_buf[t] = ~self.reset_pending
@@ -113,7 +116,9 @@ class EnvRunner:
     def state_dict(self) -> dict:
         return {
             # Gymnasium envs hold numpy state and Generators; pickling is the only general snapshot.
-            "envs": torch.frombuffer(bytearray(pickle.dumps(self.envs)), dtype=torch.uint8),
+            "envs": torch.frombuffer(bytearray(call_user(lambda: pickle.dumps(self.envs),
+                                                         f"environment {self.name}: pickling it (the checkpoint)")),
+                                     dtype=torch.uint8),
             "obs": torch.from_numpy(self.obs.copy()),
             "reset_pending": torch.from_numpy(self.reset_pending.copy()),
             "return_acc": torch.from_numpy(self.return_acc.copy()),
@@ -138,7 +143,7 @@ class EnvRunner:
         if not restore_envs or not snapshots_exactly(self.envs):
             # The simulator state was not in the pickle: start fresh episodes (seeded by the step count).
             seed = int(state["ep_length"].sum()) + len(self.finished) + seed_offset
-            self.obs = self._normalize_obs(self.envs.reset(seed=seed)[0])
+            self.obs = self._normalize_obs(checked_reset(self.envs, self.name, seed))
             return
         self.obs = state["obs"].numpy().copy()
         self.reset_pending = state["reset_pending"].numpy().copy()

@@ -96,7 +96,8 @@ class ControlTrainer:
                                           **({"fused": True} if self.device.type in ("cpu", "cuda") else {}))
         self.runner = EnvRunner(envs, cfg.seed + self.envs_shard.start, cfg.gamma, cfg.normalize_obs,
                                 cfg.normalize_reward, cfg.clip_obs, cfg.clip_reward,  # env i: seed + global i
-                                gather=distributed.all_gather_np if distributed.collectives() else None)
+                                gather=distributed.all_gather_np if distributed.collectives() else None,
+                                name=cfg.env_id)
         self.policy_rng = np.random.default_rng(cfg.seed)
         self.policy = make_policy(self.agent, distributed.sliced_rng(self.policy_rng, self.envs_shard, cfg.num_envs))
         distributed.broadcast_params(self.agent.parameters())
