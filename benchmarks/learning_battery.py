@@ -4,6 +4,7 @@ that neither side was tuned on.
     .venv/bin/python benchmarks/learning_battery.py probe                 # untrained accuracy of every task
     .venv/bin/python benchmarks/learning_battery.py run --seeds 1,2       # the battery (both sides, per update)
     .venv/bin/python benchmarks/learning_battery.py run --tasks products,gcd --seeds 1 --max-updates 8
+    .venv/bin/python benchmarks/learning_battery.py report --inputs A/learning_battery.json B/learning_battery.json
 
 Each task (TASKS: six kinds — arithmetic other than chain_sum, counting, ordering, string manipulation, a
 date task, a short word problem) is built by `learning_task.build_task`: its own few-shot header (two solved
@@ -53,7 +54,9 @@ CANDIDATES = {  # probed, not in the battery: other kinds to swap in
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["probe", "run"])
+    p.add_argument("mode", choices=["probe", "run", "report"])
+    p.add_argument("--inputs", nargs="+", default=[], help="report: learning_battery.json files to merge (tasks "
+                   "run in separate processes) into one table and figure")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma list of TASKS' names")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--max-updates", type=int, default=12)
@@ -193,10 +196,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "learning_battery.json"
     results = {}
-    for name in args.tasks.split(","):
+    if args.mode == "report":
+        for f in args.inputs:
+            results |= json.loads(Path(f).read_text())["results"]
+    for name in args.tasks.split(",") if args.mode == "run" else []:
         results[name] = run_task(args, name, model_dir)
         path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))  # each task as it ends
         print("\n".join(table({name: results[name]})), flush=True)
+    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     lines = table(results)
     (out / "learning_battery.md").write_text("\n".join(lines) + "\n")
     cpu = learning_vs_trl.cpu_name()

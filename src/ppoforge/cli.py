@@ -10,6 +10,7 @@
   ppoforge train sft --preset tiny --model PATH --data chats.jsonl
   ppoforge train reward --preset tiny --model PATH --data pairs.jsonl
   ppoforge pipeline demo                     # SFT -> reward model -> PPO, resumable per stage
+  ppoforge plan rlhf --preset grpo --model DIR --device cuda:24GB   # will it fit? memory per phase
   ppoforge notebook --port 8888
 
 Every failure ends in one line on stderr: bad input exit code 2, a fault of the environment exit code
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -130,6 +132,7 @@ def _cmd_train_rlhf(args) -> int:
     from ppoforge.lm.rl.trainer import train
 
     cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
+    _memory_plan(cfg, "rlhf")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
     score = result.last_metrics.get("objective/scores", float("nan"))
@@ -143,6 +146,7 @@ def _cmd_train_sft(args) -> int:
     from ppoforge.lm.supervised.sft import train
 
     cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
+    _memory_plan(cfg, "sft")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
     loss = result.get("eval/loss", result.get("train/loss", float("nan")))
@@ -156,6 +160,7 @@ def _cmd_train_reward(args) -> int:
     from ppoforge.lm.supervised.reward_model import train
 
     cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
+    _memory_plan(cfg, "reward")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
     accuracy = result.get("eval/accuracy", float("nan"))
@@ -233,6 +238,54 @@ def _cmd_notebook(args) -> int:
     return 0  # not reached: launch() execs jupyter
 
 
+PLAN_KINDS = {"rlhf": RLHFConfig, "sft": SFTConfig, "reward": RewardConfig}
+
+
+def _memory_plan(cfg, kind: str) -> None:
+    """On CUDA: the plan's peak, one line at a run's start, and a run the plan says cannot fit refused first."""
+    # CLI start-up: transformers loads for the train commands only
+    from ppoforge.lm.models import memplan
+    from ppoforge.runtime.device import resolve_device
+
+    memplan.check_fits(cfg, kind, resolve_device(cfg.device))
+
+
+def _cmd_plan(args) -> int:
+    # CLI start-up: transformers loads for this command only (the model is built on the meta device)
+    from ppoforge.lm.models import memplan
+
+    overrides = overrides_from_args(args)
+    target = overrides.pop("device", "cpu")  # a target such as cuda:80GB is not a run's device
+    values = read_preset(args.preset, args.kind) if args.preset else {}
+    cfg = build_config(PLAN_KINDS[args.kind], {**values, **overrides})
+    result = memplan.for_config(cfg, args.kind, target, args.world_size)
+    if args.json:
+        print(json.dumps({"components": result.components, "phases": result.phases, "peak": result.peak,
+                          "capacity": result.capacity, "fits": result.fits, "fix": result.fix,
+                          "device": result.device, "notes": result.notes}, indent=1))
+    else:
+        print("\n".join(result.lines()))
+    return 0 if result.fits is not False else 1
+
+
+def _add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="will it fit? a trainer config's memory per phase and the verdict for a "
+                          "device, before the run (nothing is loaded: the model is built on the meta device)")
+    kinds = plan.add_subparsers(dest="kind", required=True, parser_class=_Parser)
+    for kind, cls in PLAN_KINDS.items():
+        p = kinds.add_parser(kind, help=f"the memory of `ppoforge train {kind}` with these options")
+        p.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets(kind))}) or a YAML file")
+        p.add_argument("--world-size", type=_positive_int, default=1,
+                       help="GPUs the full layout is sharded over with fsdp (torchrun --nproc_per_node)")
+        p.add_argument("--json", action="store_true", help="the plan as JSON")
+        add_config_arguments(p, cls)
+        p.set_defaults(func=_cmd_plan)
+        for action in p._actions:  # the device to plan for: cpu, cuda, cuda:N or a target such as cuda:80GB
+            if action.dest == "cfg.device":
+                action.help = ("the device to plan for: cpu (this machine's available memory), cuda or cuda:N "
+                               "(the GPU here), or a target such as cuda:24GB, cuda:40GB, cuda:80GB (default: cpu)")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -285,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
     add_config_arguments(demo, RLHFConfig)
     demo.set_defaults(func=_cmd_demo)
+
+    _add_plan_parser(sub)
 
     pipe = sub.add_parser("pipeline", help="SFT -> reward model -> PPO from one YAML file, resumable per stage")
     pipe.add_argument("config", help=f"a pipeline YAML file or a built-in one ({', '.join(list_presets('pipeline'))})")

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import torch
 
+# On CPU, `auto` attention is eager up to this many positions a row (prompt + completion budget), SDPA
+# beyond. Eager keeps every layer's (rows, heads, T, T) probabilities for backward: at SmolLM2's shape, G 8 and
+# 158 + 512 tokens that was 19.9 GiB of peak RSS against SDPA's 16.1 for 3 % more time; at 158 + 128 tokens
+# eager's run stayed under TRL's memory (docs/benchmarks.md).
+EAGER_MAX_TOKENS = 512
+
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """(B, L) 0/1 mask -> (B, L) int64 positions of real tokens; padding gets 0."""

@@ -127,6 +127,11 @@ def load_tokenizer(name_or_path: str, model: str | None = None, field: str = "mo
     return tokenizer
 
 
+def model_config(name_or_path: str, field: str = "model") -> PretrainedConfig:
+    """The config of a model (a directory, a hub id or a built-in name), without reading its weights."""
+    return _load_config(resolve_model(name_or_path, field))
+
+
 def _load_config(path: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(path)

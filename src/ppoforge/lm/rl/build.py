@@ -27,6 +27,7 @@ from ppoforge.lm.data.prompts import (
     split_heldout,
     without,
 )
+from ppoforge.lm.models.attention import EAGER_MAX_TOKENS
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
 from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 from ppoforge.lm.models.parts import cast_linears, head_in_fp32
@@ -143,11 +144,6 @@ def check_sequence_window(cfg: RLHFConfig, model_config, field: str = "model") -
                  f"rows within the window (max_prompt_tokens + {what} <= {{window}})", field)
 
 
-# On CPU, `auto` attention is eager up to this many positions a row (prompt + completion budget), SDPA
-# beyond. Eager keeps every layer's (rows, heads, T, T) probabilities for backward: at SmolLM2's shape, G 8 and
-# 158 + 512 tokens that was 19.9 GiB of peak RSS against SDPA's 16.1 for 3 % more time; at 158 + 128 tokens
-# eager's run stayed under TRL's memory (docs/benchmarks.md).
-EAGER_MAX_TOKENS = 512
 
 
 def attention_for(choice: str, device: torch.device, row_tokens: int) -> str | None:
