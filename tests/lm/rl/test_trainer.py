@@ -523,3 +523,49 @@ def test_old_logprobs_auto_is_checked_again_when_the_rollouts_shape_class_change
     assert passes.fast_policy is (not new_shape)
     err = capfd.readouterr().err
     assert ("the fast policy path differs from the training forward (log-probs by up to 0.001" in err) == new_shape
+
+
+def _decoder_run(cfg_for, path, monkeypatch, share: bool) -> tuple[int, int, list[str]]:
+    """One update with the lean decoder sharing the frozen base (or not): (bytes the model and the decoder
+    hold, each storage once by data_ptr; the model's own bytes; the completions)."""
+    from ppoforge.lm.models import decoders
+
+    real = decoders.LlamaDecoder.__init__
+    monkeypatch.setattr(decoders.LlamaDecoder, "__init__",
+                        lambda self, *a, **k: real(self, *a, **{**k, "share_frozen": share and k.get("share_frozen")}))
+    trainer = RLHFTrainer(cfg_for(lora_r=2, total_updates=1, kl_coef=0.0), path, reward_fn=word_reward)
+    monkeypatch.setattr(decoders.LlamaDecoder, "__init__", real)
+    peft = trainer.layout.peft
+    model = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in [*peft.parameters(),
+                                                                                      *peft.buffers()]}
+    adapters = _snapshot(trainer.layout.named_trainable())
+    _, rows = trainer.train_one_update()
+    assert any(not torch.equal(p, adapters[n]) for n, p in trainer.layout.named_trainable())  # it trained
+    stacks = [w for layer in trainer.layout._lean.layers for name in decoders.LINEARS for w in getattr(layer, name)
+              if w is not None]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*peft.parameters(), *peft.buffers(), *stacks]}
+    return sum(held.values()), sum(model.values()), [r["completion"] for r in rows]
+
+
+def test_the_lora_decoder_reads_the_models_own_frozen_weights(cfg_for, tmp_path, monkeypatch):
+    """Without oneDNN packing (a GPU's path) the lean decoder's stacked q/k/v and gate/up are the model's own
+    storage: the model and the decoder hold the model's bytes; the control (no sharing) holds the stacks
+    twice. The samples are the same either way."""
+    from ppoforge.lm.models import prepared
+
+    monkeypatch.setattr(prepared, "packs", lambda dtype, device: False)
+    shared, model, rows = _decoder_run(cfg_for, tmp_path / "shared", monkeypatch, True)
+    copied, model_again, rows_again = _decoder_run(cfg_for, tmp_path / "copied", monkeypatch, False)
+    assert shared <= 1.05 * model and copied > 1.3 * model_again, (shared, model, copied)
+    assert rows == rows_again
+
+
+def test_a_lora_run_whose_decoder_shares_the_base_exports_and_resumes(cfg_for, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM as Auto
+
+    from ppoforge.lm.models import prepared
+
+    monkeypatch.setattr(prepared, "packs", lambda dtype, device: False)  # the GPU path: the model reads the stacks
+    result = train(cfg_for(total_updates=2, checkpoint_every=1), tmp_path)
+    assert result.updates == 2 and Auto.from_pretrained(tmp_path / "policy") is not None

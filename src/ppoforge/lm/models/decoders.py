@@ -20,6 +20,8 @@ same prepared weights with the adapters off: the LoRA layout's reference pass.
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 from collections.abc import Callable
 from typing import Protocol
@@ -158,7 +160,7 @@ class LlamaDecoder:
     """
 
     def __init__(self, model: nn.Module, linear_params: LinearParams = plain_linear_params,
-                 adapter_params: AdapterParams = no_adapters):
+                 adapter_params: AdapterParams = no_adapters, share_frozen: bool = False):
         cfg, backbone = model.config, model.base_model
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -173,13 +175,17 @@ class LlamaDecoder:
         self.linear_params, self.adapter_params = linear_params, adapter_params
         self._cast_dtype = None  # the dtype the linear weights were prepared in (see _prepare_weights)
         self.linear = F.linear  # (x, weight, bias) -> x @ weight.T + bias; packed for oneDNN on CPU
+        # frozen weights in the compute dtype (the LoRA base): the stacked ones become the model's own storage
+        self.share_frozen = share_frozen
 
     def _prepare_weights(self, dtype: torch.dtype, device: torch.device) -> None:
         """Once per decoder and dtype, before the first token (the LoRA layout keeps one decoder over
         its frozen base, so this runs once per run; the full layout builds one per rollout):
         - under autocast, cast the linear weights to its dtype here instead of in every step's F.linear
           (autocast re-casts on every call outside one region; same values as its own cast);
-        - stack q, k, v and gate, up: 4 matmuls per layer and token instead of 7;
+        - stack q, k, v and gate, up: 4 matmuls per layer and token instead of 7; with `share_frozen` (the
+          LoRA base, frozen and already in the compute dtype) the model's own weights then become views of
+          the stacks, so the decoder adds no copy (on CPU the oneDNN-packed stacks are a copy still);
         - on CPU, also reorder them into oneDNN's blocked layout (bf16 where the CPU can). Decoding a few
           rows streams every weight from memory once per token, and plain F.linear repacks it on each call:
           prepacked, the decode's matmuls run ~1.5x faster in bf16, with bit-identical results (tested), and
@@ -192,10 +198,20 @@ class LlamaDecoder:
         for layer in self.layers:
             layer.out_features = {}
             for name in LINEARS:  # fuse after the cast: the fp32 originals are never copied
-                params = [cast(self.linear_params(m)) for m in layer.modules[name]]
+                originals = [self.linear_params(m) for m in layer.modules[name]]
+                params = [cast(wb) for wb in originals]
                 layer.out_features[name] = [w.shape[0] for w, _ in params]
-                fused = prepared.concat_linears(*params)
-                setattr(layer, name, prepared.pack(fused) if packing else fused)
+                share = (not packing and self.share_frozen
+                         and all(c[0] is o[0] for c, o in zip(params, originals, strict=True)))
+                # shared, the stack becomes the model's weights: a normal tensor even under the sampler's
+                # inference mode, so the training forward can save it for backward
+                with torch.inference_mode(False) if share else contextlib.nullcontext():
+                    fused = prepared.concat_linears(*params)
+                if packing:  # oneDNN's blocked layout is a second, reordered copy (CPU: the speed is worth it)
+                    fused = prepared.pack(fused)
+                elif share:
+                    prepared.share_storage(originals, fused)  # one copy: the model reads views of the stack
+                setattr(layer, name, fused)
         self.head_dtype = torch.float32 if self.head_fp32 else dtype
         head = cast(self.linear_params(self.head_module), self.head_dtype)
         self.head_out_features = [head[0].shape[0]]

@@ -114,7 +114,8 @@ class LoraLayout:
         # The lean decoder, kept: it prepares the frozen base's weights once for every rollout and
         # reference pass.
         lean = _use_lean(decoder, self)
-        self._lean = LlamaDecoder(self.policy_model, base_linear_params, policy_adapter) if lean else None
+        self._lean = (LlamaDecoder(self.policy_model, base_linear_params, policy_adapter, share_frozen=True)
+                      if lean else None)
         self.fast_ref_forward = self._lean.base_hidden if lean else None
         if next(base.parameters()).dtype != torch.float32:
             # A low-precision base only runs under autocast, which casts the activations for the

@@ -16,11 +16,28 @@ import torch
 
 
 def concat_linears(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack (weight, bias) pairs along the output dim: one matmul computes all of them."""
+    """Stack (weight, bias) pairs along the output dim: one matmul computes all of them (a single pair is
+    itself: no copy)."""
+    if len(params) == 1:
+        return params[0]
     weight = torch.cat([w for w, _ in params])
     if all(b is None for _, b in params):
         return weight, None
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
+
+
+def share_storage(params: list[tuple[torch.Tensor, torch.Tensor | None]],
+                  fused: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """Make each original (weight, bias) a view of its rows of the stacked `fused` pair, so the model and the
+    decoder hold one copy between them (the originals' storage is freed). For frozen weights of the same
+    dtype only: the caller's to decide (the LoRA layout's base)."""
+    start = 0
+    for w, b in params:
+        rows = w.shape[0]
+        w.data = fused[0][start:start + rows]
+        if b is not None:
+            b.data = fused[1][start:start + rows]
+        start += rows
 
 
 def stack_adapters(adapters: list, out_features: list[int], dtype: torch.dtype):
