@@ -21,7 +21,6 @@ same prepared weights with the adapters off: the LoRA layout's reference pass.
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 from collections.abc import Callable
 from typing import Protocol
