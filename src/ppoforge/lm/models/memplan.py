@@ -8,7 +8,9 @@ Everything else is arithmetic on the config, counted as ppoforge's trainers hold
   split over `world` ranks with FSDP (`fsdp`); a LoRA base frozen in the run's compute dtype;
 - the full layout's frozen reference (its linears in the compute dtype, the rest fp32; none at kl_coef 0),
   a critic model trained like the policy, a reward model in the compute dtype;
-- the lean decoder's stacked copy of the decoder's linear weights (`decoder: hf` holds none);
+- the lean decoder's stacked copy of the decoder's linear weights: the full layout's, and on CPU (oneDNN
+  packing) the LoRA base's too; on a GPU the LoRA base's stacks are the model's own weights (`decoder: hf`
+  holds none);
 - generation: the KV cache of every row sampled at once (prompt + completion budget) and its logits;
 - scoring passes (old log-probs, values, reference) run over one micro-batch at a time with no graph;
 - training: per micro-batch the activations autograd keeps for backward — per layer and token the inputs of
@@ -77,6 +79,7 @@ class Workload:
     critic_model: bool = False  # a separately trained critic of the policy's size
     reward_model: bool = False  # a frozen reward model of the policy's size (the plan's assumption)
     lean_decoder: bool = True
+    packed: bool = False    # CPU: the lean decoder's oneDNN-packed stacks are a copy even of a LoRA base
 
 
 @dataclass
@@ -144,8 +147,9 @@ def components(m: ModelShape, w: Workload) -> dict[str, float]:
            if w.reference and not lora else 0,
            "critic model (trained)": m.params * ADAM_BYTES / shard if w.critic_model else 0,
            "reward model (frozen)": m.params * w.compute_bytes if w.reward_model else 0,
-           "lean decoder's stacked linears": m.linear_params * w.compute_bytes if w.gen_rows and w.lean_decoder
-           else 0}
+           # the LoRA base's stacks are the model's own weights unless packed (`LlamaDecoder.share_frozen`)
+           "lean decoder's stacked linears": m.linear_params * w.compute_bytes
+           if w.gen_rows and w.lean_decoder and (w.packed or not lora) else 0}
     positions = w.tokens
     kv = 2 * m.layers * w.gen_rows * m.kv_heads * positions * m.head_dim * w.compute_bytes
     out["KV cache (generation)"] = kv
@@ -273,7 +277,7 @@ def rlhf_workload(cfg, device: str, world: int = 1) -> Workload:
                     resp_tokens=cfg.episode_tokens, world=world, gradient_checkpointing=cfg.gradient_checkpointing,
                     eager_attention=eager, reference=cfg.kl_coef > 0, critic_model=bool(cfg.critic_model),
                     reward_model=not cfg.reward.startswith(("py:", "task", "vader", "length", "format"))
-                    and "/" in cfg.reward, lean_decoder=cfg.decoder != "hf")
+                    and "/" in cfg.reward, lean_decoder=cfg.decoder != "hf", packed=device == "cpu")
 
 
 def supervised_workload(cfg, device: str, world: int = 1, pairs: bool = False) -> Workload:
