@@ -320,6 +320,26 @@ def tiny_model(tmp_path_factory):
     return save_tiny_lm(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.mark.parametrize("trainer, row", [
+    ("rlhf", {"prompt": "hi \ud800"}),
+    ("sft", {"prompt": "p", "completion": "\ud800 there"}),
+    ("reward", {"prompt": "p", "chosen": "\udfff", "rejected": "b"}),
+])
+def test_a_lone_surrogate_in_a_data_row_is_one_line_naming_its_line(capsys, tmp_path, tiny_model, trainer, row):
+    """JSON's "\\ud800" parses to a str no tokenizer can encode: it was an internal error from the tokenizer."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "fine", "completion": "fine", "chosen": "a", "rejected": "b"}) + "\n"
+                    + json.dumps(row) + "\n")
+    source = ["--prompts", str(data), "--reward", "length", "--heldout-prompts", "none"] if trainer == "rlhf" \
+        else ["--preset", "tiny", "--data", str(data)]
+    code, err = _cli(capsys, "train", trainer, "--model", str(tiny_model), *source, "--run-dir", str(tmp_path / "r"))
+    field = next(k for k, v in row.items() if any(0xD800 <= ord(c) <= 0xDFFF for c in v))
+    what = "prompts" if trainer == "rlhf" else "data"
+    assert code == 2 and error_lines(err) == [
+        f"ppoforge: error: {what}: file {data} line 2: field {field!r} is not valid Unicode text (a lone surrogate); "
+        "allowed: UTF-8 text"], err
+
+
 @pytest.fixture
 def reward_module(tmp_path, monkeypatch):
     """A py: reward that raises, or hangs, at its 3rd call (update 3), or collapses after its 1st, or is

@@ -29,8 +29,12 @@ FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 def float32_finite(value) -> bool:
     """A real number (not a bool) that stays finite as float32, the dtype rewards and margins train in:
     1e308 is finite as a Python float and inf there."""
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            and abs(value) <= FLOAT32_MAX)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    except OverflowError:  # an int too large for a float (a JSON margin of 400 digits)
+        return False
 
 
 def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None, resume: bool = False, data: bool = False):

@@ -169,7 +169,15 @@ def bad_data_files(tmp_path) -> dict:
                             r"ragged\.csv line 3 has 3 fields, the header has 2"),
              "latin.csv": ("prompt\nhello\ncaf\xe9\n".encode("latin-1"), r"latin\.csv is not UTF-8 text \(line 3"),
              "empty.csv": ("", r"empty\.csv has no rows"),
-             "zero.parquet": (None, r"zero\.parquet has no rows")}
+             "zero.parquet": (None, r"zero\.parquet has no rows"),
+             # JSON's \ud800 escape: a str no tokenizer can encode (it reached the tokenizer as an internal error)
+             "surrogate.jsonl": ('{"prompt": "ok", "chosen": "a", "rejected": "b"}\n{"prompt": "hi \\ud800"}\n',
+                                 r"surrogate\.jsonl line 2: field 'prompt' is not valid Unicode text \(a lone "
+                                 r"surrogate\)"),
+             "surrogate.json": ('[{"prompt": "x", "meta": [{"k": "\\udfff"}]}]',
+                                r"surrogate\.json line 1: field 'meta' is not valid Unicode text"),
+             "digits.jsonl": ('{"prompt": "x", "n": ' + "9" * 5000 + "}\n",
+                              r"digits\.jsonl line 1 is not valid JSON \(Exceeds the limit \(4300 digits\)")}
     out = {}
     for name, (content, match) in files.items():
         path = tmp_path / name

@@ -127,13 +127,24 @@ def test_render_prompt_uses_chat_template_when_present(tiny_lm_dir, tiny_llama_d
     assert render_prompt(load_tokenizer(str(tiny_llama_dir)), "Hello") == "Hello"  # no template
 
 
-@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json", "ragged.csv", "latin.csv", "empty.csv", "zero.parquet"])
+@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json", "ragged.csv", "latin.csv", "empty.csv", "zero.parquet",
+                                  "surrogate.jsonl", "surrogate.json", "digits.jsonl"])
 def test_a_broken_file_is_one_line_naming_it_what_is_wrong_and_what_is_allowed(bad_data_files, name, capfd):
     path, match = bad_data_files[name]
     with pytest.raises(UserError, match=rf"^prompts: file .*{match}.*; allowed: ") as e:
         load_prompts(str(path))
     assert "\n" not in str(e.value) and "DatasetGenerationError" not in str(e.value)
     assert capfd.readouterr().err == ""  # no library log lines or progress bars besides the one line
+
+
+@pytest.mark.parametrize("source, match", [("", r"an empty name '' names no data"),
+                                           ("{empty}", r"folder .*empty holds no files")])
+def test_an_empty_source_name_or_folder_is_one_line(tmp_path, source, match):
+    """`--prompts ''` was datasets' IndexError, an empty folder its resolver's functools.partial repr."""
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    with pytest.raises(UserError, match=rf"^prompts: {match}; allowed: a .jsonl") as e:
+        load_prompts(source.format(empty=tmp_path / "empty"))
+    assert "partial" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_without_leaves_out_the_held_out_prompts_and_refuses_when_none_is_left(capsys):

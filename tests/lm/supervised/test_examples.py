@@ -140,7 +140,8 @@ def test_a_packed_example_has_the_logits_it_has_alone(tiny_lm_dir, chat_tok):
     torch.testing.assert_close(packed[0, n0:n0 + n1], alone[0, :n1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json", "ragged.csv", "latin.csv", "empty.csv", "zero.parquet"])
+@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json", "ragged.csv", "latin.csv", "empty.csv", "zero.parquet",
+                                  "surrogate.jsonl", "surrogate.json", "digits.jsonl"])
 def test_a_broken_sft_or_preference_file_is_one_line_naming_it(bad_data_files, name):
     path, match = bad_data_files[name]
     with pytest.raises(UserError, match=rf"^data: file .*{match}.*; allowed: ") as e:
@@ -172,7 +173,8 @@ def test_an_unknown_role_is_refused_for_that_row_and_strict_names_it(chat_tok):
     assert not pairs and drops.counts == {"bad_role": 1}
 
 
-@pytest.mark.parametrize("margin", [math.inf, -math.inf, 1e308, -4e38])
+@pytest.mark.parametrize("margin", [math.inf, -math.inf, 1e308, -4e38, pytest.param(10**400, id="400-digits"),
+                                    pytest.param(-(10**400), id="-400-digits")])
 def test_a_margin_float32_cannot_hold_is_refused(chat_tok, margin):
     """Finite as a Python float is not enough: the loss takes margins as float32, where 1e308 is inf and
     every step of its batch would be skipped as non-finite."""

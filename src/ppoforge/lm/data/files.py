@@ -16,6 +16,7 @@ import contextlib
 import csv
 import json
 import logging
+import re
 from pathlib import Path
 
 from ppoforge.errors import UserError
@@ -24,6 +25,8 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 ALLOWED_JSON = "one JSON object per line (JSON Lines), or a .json file holding one array of objects"
 ALLOWED_CSV = "a UTF-8 CSV file with a header line and at most the header's number of fields on every line"
 MAX_DEPTH = 100  # lists / objects inside a row; a real row nests a few levels (messages -> message -> ...)
+# JSON's "\ud800" escape parses to a lone surrogate: a str no tokenizer can encode (UTF-8 has no such character)
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _depth(value) -> int:
@@ -38,6 +41,18 @@ def _depth(value) -> int:
     return deepest
 
 
+def _lone_surrogate(row: dict) -> str | None:
+    """The name of the first field of `row` whose text (a key or a string inside it) holds a lone surrogate."""
+    for name, value in row.items():
+        todo = [name, value]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, str) and SURROGATE.search(item):
+                return SURROGATE.sub("?", str(name))
+            todo += list(item.items()) if isinstance(item, dict) else item if isinstance(item, list | tuple) else []
+    return None
+
+
 def _too_deep(path: Path, lineno: int) -> UserError:
     return UserError(f"file {path} line {lineno} nests deeper than {MAX_DEPTH} levels of lists and objects; "
                      f"allowed: {ALLOWED_JSON}, each at most {MAX_DEPTH} levels deep")
@@ -50,6 +65,9 @@ def _parse(path: Path, lineno: int, text: str):
         raise UserError(f"file {path} line {lineno} is not valid JSON ({e.msg}); allowed: {ALLOWED_JSON}") from None
     except RecursionError:  # json's C scanner recurses once per nesting level
         raise _too_deep(path, lineno) from None
+    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise UserError(f"file {path} line {lineno} is not valid JSON ({str(e).split(':')[0]}); "
+                        f"allowed: {ALLOWED_JSON}") from None
 
 
 def read_json_rows(path: Path) -> list[tuple[int, dict]]:
@@ -65,6 +83,9 @@ def read_json_rows(path: Path) -> list[tuple[int, dict]]:
                 from None
         except RecursionError:
             raise _too_deep(path, 1) from None
+        except ValueError as e:  # as in `_parse`
+            raise UserError(f"file {path} is not valid JSON ({str(e).split(':')[0]}); allowed: {ALLOWED_JSON}") \
+                from None
     else:
         items = [(lineno, _parse(path, lineno, line)) for lineno, line in enumerate(text.splitlines(), 1)
                  if line.strip()]
@@ -74,6 +95,9 @@ def read_json_rows(path: Path) -> list[tuple[int, dict]]:
                             f"allowed: {ALLOWED_JSON}")
         if _depth(row) > MAX_DEPTH:
             raise _too_deep(path, lineno)
+        if (name := _lone_surrogate(row)) is not None:
+            raise UserError(f"file {path} line {lineno}: field {name!r} is not valid Unicode text (a lone surrogate); "
+                            "allowed: UTF-8 text")
     return items
 
 
@@ -183,6 +207,10 @@ def read_source(source: str, split: str, allowed: str) -> tuple[list[tuple[int, 
         return rows, list(dict.fromkeys(k for _, row in rows for k in row)), f"file {path}"
     if path.is_file():
         raise UserError(f"{path} has an unsupported format; allowed: {allowed}")
+    if not source.strip():
+        raise UserError(f"an empty name {source!r} names no data; allowed: {allowed}")
+    if path.is_dir() and not any(p.is_file() and not p.name.startswith(".") for p in path.rglob("*")):
+        raise UserError(f"folder {path} holds no files; allowed: {allowed}")  # datasets: a resolver's repr
     where = f"dataset {source!r} split {split!r}"  # a hub name, or a local folder of data files
     rows = _load(where, allowed, source, split=split) or []
     return list(enumerate(rows, 1)), list(dict.fromkeys(k for row in rows for k in row)), where

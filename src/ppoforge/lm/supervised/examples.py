@@ -243,6 +243,13 @@ def reward_input_ids(tokenizer, prompt, completion) -> list[int]:
     return tokenizer(prompt + completion)["input_ids"]
 
 
+def _short(value) -> str:
+    """A value for a message: a 400-digit margin as its first digits and its length."""
+    if isinstance(value, int) and abs(value) > 10 ** 30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return f"{value!r:.60}"
+
+
 def preference_pair(row: dict, tokenizer, max_length: int) -> Pair:
     prompt, chosen, rejected = split_prompt(row)
     _conversation(prompt, chosen), _conversation(prompt, rejected)  # the checks: text, messages, not empty
@@ -250,7 +257,7 @@ def preference_pair(row: dict, tokenizer, max_length: int) -> Pair:
     if margin is None:
         margin = 0.0
     if not float32_finite(margin):  # an inf margin (or 1e308: inf as float32) makes every step it is in skipped
-        raise RowError("bad_margin", f"margin is {margin!r}; allowed: a finite number (within float32's "
+        raise RowError("bad_margin", f"margin is {_short(margin)}; allowed: a finite number (within float32's "
                        f"+-{FLOAT32_MAX:.1e})")
     c, r = reward_input_ids(tokenizer, prompt, chosen), reward_input_ids(tokenizer, prompt, rejected)
     if max(len(c), len(r)) > max_length:
