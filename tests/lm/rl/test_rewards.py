@@ -105,6 +105,10 @@ def test_reward_without_kwargs_is_reported_not_crashed():
     ([1.0, "2"], r"returned str '2' at index 1; allowed"),
     ([1.0, None], r"returned NoneType None at index 1; allowed"),
     ([1.0, torch.tensor(2.0)], r"returned Tensor tensor\(2\.\) at index 1; allowed"),
+    # float(10**400) raises OverflowError: it was reported as the reward's own "raised OverflowError"
+    ([1.0, 10**400], r"returned a number too large for float \(an integer of 401 digits\) at index 1; "
+                     r"allowed: finite numbers$"),
+    ([-(10**5000), 1.0], r"returned a number too large for float at index 0; allowed: finite numbers$"),
 ])
 def test_bad_return_values(returned, message):
     with pytest.raises(UserError, match=r"^reward mine " + message):

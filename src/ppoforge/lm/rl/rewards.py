@@ -197,10 +197,17 @@ def _checked(fn: RewardFn, name: str, prompts: list[str], completions: list[str]
     if len(out) != len(completions):
         raise UserError(f"reward {name} returned {len(out)} values for {len(completions)} completions; "
                         f"{allowed}")
+    values = []
     for i, v in enumerate(out):
         if not isinstance(v, numbers.Real):
             raise UserError(f"reward {name} returned {_describe(v)} at index {i}; {allowed}")
-    return [float(v) for v in out]
+        try:
+            values.append(float(v))
+        except OverflowError:  # an int beyond float's range: the reward returned it, it did not raise
+            digits = f" (an integer of {len(str(abs(v)))} digits)" if isinstance(v, int) and abs(v) < 10 ** 4000 else ""
+            raise UserError(f"reward {name} returned a number too large for float{digits} at index {i}; "
+                            "allowed: finite numbers") from None
+    return values
 
 
 def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], finished: list[bool],
