@@ -82,6 +82,21 @@ def test_a_yaml_nan_is_refused(capsys, tmp_path):
     assert code == 2 and "gae_lambda: nan is not a finite number" in err
 
 
+@pytest.mark.parametrize("kind", ["pipeline", "preset", "resume"])
+def test_a_yaml_file_that_is_not_utf8_is_one_line_naming_it(capsys, tmp_path, kind):
+    """A Latin-1 byte in a pipeline file, a preset or a run's config.yaml: the file and its line, not Python's
+    "text that is not valid UTF-8" without a name."""
+    path = tmp_path / "run" / "config.yaml"
+    path.parent.mkdir()
+    path.write_bytes("total_steps: 128\nexp_name: caf\xe9\n".encode("latin-1"))
+    argv = {"pipeline": ["pipeline", str(path)], "preset": ["train", "control", "--preset", str(path)],
+            "resume": ["train", "control", "--resume", str(path.parent)]}[kind]
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and err == (f"ppoforge: error: {kind}: {path} is not UTF-8 text (line 2, byte 30); "
+                                 "allowed: UTF-8 text (re-save it as UTF-8)"), err
+    assert path.read_bytes().endswith(b"caf\xe9\n") and sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]
+
+
 def test_a_new_run_refuses_a_used_run_dir_and_overwrite_replaces_it(capsys, reference_run, tmp_path):
     import shutil
 

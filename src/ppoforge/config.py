@@ -159,6 +159,8 @@ def read_preset(preset: str, domain: str) -> dict:
             text = path.read_text()
         except OSError as e:
             raise UserError(f"preset: cannot read {path} ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise not_utf8("preset", path, e) from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
@@ -213,12 +215,21 @@ def parse_query(spec: str, body: str, where: str) -> tuple[str, dict]:
     return name, {key: yaml.safe_load(value) if value else value for key, value in pairs}
 
 
+def not_utf8(where: str, path, e: UnicodeDecodeError) -> UserError:
+    """The one line for a YAML file (preset, config.yaml, pipeline) with a byte that is not UTF-8."""
+    line = e.object.count(b"\n", 0, e.start) + 1
+    return UserError(f"{where}: {path} is not UTF-8 text (line {line}, byte {e.start}); allowed: UTF-8 text "
+                     "(re-save it as UTF-8)")
+
+
 def read_saved_config(path: Path) -> dict:
     """The {field: value} mapping of a run dir's config.yaml."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError:
         raise UserError(f"no config.yaml in run dir {Path(path).parent}") from None
+    except UnicodeDecodeError as e:
+        raise not_utf8("resume", path, e) from None
     except yaml.YAMLError as e:
         raise UserError(f"resume: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

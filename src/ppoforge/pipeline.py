@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from ppoforge.config import build_config, read_saved_config, resume_config
+from ppoforge.config import build_config, not_utf8, read_saved_config, resume_config
 from ppoforge.errors import UserError
 from ppoforge.lm.rl import trainer as rlhf
 from ppoforge.lm.rl.config import RLHFConfig
@@ -43,6 +43,8 @@ def read_pipeline(path: Path) -> dict[str, dict]:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as e:
         raise UserError(f"pipeline: cannot read {path} ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise not_utf8("pipeline", path, e) from None
     except yaml.YAMLError as e:
         raise UserError(f"pipeline: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
     unknown = sorted(set(data) - set(STAGES)) if isinstance(data, dict) else ["(not a mapping)"]
