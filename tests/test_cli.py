@@ -75,3 +75,31 @@ def test_a_stopped_sft_or_reward_run_points_to_resume_not_to_a_model(tmp_path):
 
     assert _export({"stopped_by": None}, tmp_path) == f"model {tmp_path / 'model'}"
     assert _export({"stopped_by": "SIGTERM"}, tmp_path) == f"run dir {tmp_path} (--resume to finish)"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from ppoforge.lm.models.tiny import save_tiny_lm
+
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_closing_lines_say_which_loss_when_nothing_is_held_out_and_count_one_update(tmp_path, tiny_model, capsys):
+    """With --eval-fraction 0 the SFT line said "eval loss" of the training loss and the reward line "accuracy
+    nan%"; one RLHF update was "1 updates"."""
+    import json
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": "a", "chosen": "good", "rejected": "bad"})
+                            + "\n" for i in range(4)))
+    quiet = ["--progress", "false", "--tensorboard", "false", "--model", str(tiny_model)]
+    for trainer in ("sft", "reward"):
+        assert main(["train", trainer, "--preset", "tiny", *quiet, "--data", str(data), "--eval-fraction", "0",
+                     "--run-dir", str(tmp_path / trainer)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "train loss" in out[0] and "(no held-out rows)" in out[0] and "eval loss" not in out[0], out
+    assert "no held-out pairs" in out[1] and "nan" not in out[1], out
+    assert main(["train", "rlhf", *quiet, "--prompts", str(data), "--heldout-prompts", "none", "--reward", "length:8",
+                 "--total-updates", "1", "--batch-size", "2", "--mini-batch-size", "2", "--micro-batch-size", "2",
+                 "--max-new-tokens", "2", "--lora-r", "2", "--device", "cpu", "--run-dir", str(tmp_path / "rl")]) == 0
+    assert capsys.readouterr().out.startswith("done: 1 update (2 episodes), "), out

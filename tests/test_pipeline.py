@@ -165,3 +165,15 @@ def test_a_pipeline_whose_run_dir_is_in_use_is_refused_before_any_stage_runs(tmp
         assert [p.name for p in (tmp_path / "run").iterdir()] == [".lock"]  # no stage began
     finally:
         running.release()
+
+
+def test_describe_says_which_loss_and_no_held_out_pairs_when_nothing_is_held_out():
+    from ppoforge.pipeline import describe
+
+    text = describe({"sft": {"steps": 1, "train/loss": 2.5}, "reward": {"steps": 3}, "ppo": {"updates": 1}})
+    assert text.splitlines()[:2] == ["sft: 1 step, train loss 2.500 (no held-out rows)",
+                                     "reward model: no held-out pairs"]
+    assert text.splitlines()[2].startswith("ppo: 1 update, ")
+    text = describe({"sft": {"steps": 2, "eval/loss": 1.25}, "reward": {"eval/accuracy": 0.5, "eval/gap": 0.1}})
+    assert text.splitlines() == ["sft: 2 steps, held-out loss 1.250", "reward model: held-out pairwise accuracy 50.0%, "
+                                 "mean gap +0.10"]

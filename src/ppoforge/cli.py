@@ -108,6 +108,11 @@ def _status(stopped_by: str | None) -> str:
     return f"stopped by {stopped_by}, checkpoint saved" if stopped_by else "done"
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 update`, `2 updates`."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def _export(result: dict, run_dir: Path) -> str:
     """Where the trained model is, or (stopped before the end: nothing exported yet) how to finish."""
     return f"run dir {run_dir} (--resume to finish)" if result["stopped_by"] else f"model {run_dir / 'model'}"
@@ -136,7 +141,7 @@ def _cmd_train_rlhf(args) -> int:
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
     score = result.last_metrics.get("objective/scores", float("nan"))
-    _report(f"{_status(result.stopped_by)}: {result.updates} updates ({result.episodes:,} episodes), "
+    _report(f"{_status(result.stopped_by)}: {_count(result.updates, 'update')} ({_count(result.episodes, 'episode')}), "
           f"last mean score {score:.3f}; run dir {result.run_dir}")
     return 0
 
@@ -149,9 +154,9 @@ def _cmd_train_sft(args) -> int:
     _memory_plan(cfg, "sft")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
-    loss = result.get("eval/loss", result.get("train/loss", float("nan")))
-    _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, eval loss {loss:.4f}; "
-            f"{_export(result, run_dir)}")
+    loss = (f"eval loss {result['eval/loss']:.4f}" if "eval/loss" in result  # no held-out rows: say which loss
+            else f"train loss {result.get('train/loss', float('nan')):.4f} (no held-out rows)")
+    _report(f"{_status(result['stopped_by'])}: {_count(result['steps'], 'step')}, {loss}; {_export(result, run_dir)}")
     return 0
 
 
@@ -163,9 +168,10 @@ def _cmd_train_reward(args) -> int:
     _memory_plan(cfg, "reward")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
-    accuracy = result.get("eval/accuracy", float("nan"))
-    _report(f"{_status(result['stopped_by'])}: {result['steps']} steps, held-out pairwise accuracy {accuracy:.1%}; "
-          f"{_export(result, run_dir)}")
+    accuracy = (f"held-out pairwise accuracy {result['eval/accuracy']:.1%}" if "eval/accuracy" in result
+                else "no held-out pairs")  # not "accuracy nan%"
+    _report(f"{_status(result['stopped_by'])}: {_count(result['steps'], 'step')}, {accuracy}; "
+            f"{_export(result, run_dir)}")
     return 0
 
 

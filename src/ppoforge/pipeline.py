@@ -154,15 +154,21 @@ def _run_stages(configs: dict, run_dir: Path, trusted: bool) -> dict:
 def describe(summary: dict) -> str:
     """The end-of-pipeline lines: what each stage reached."""
     lines = []
+    def count(n, noun: str) -> str:
+        return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
     if "sft" in summary:
-        loss = summary["sft"].get("eval/loss", float("nan"))
-        lines.append(f"sft: {summary['sft'].get('steps')} steps, held-out loss {loss:.3f}")
+        s = summary["sft"]
+        loss = (f"held-out loss {s['eval/loss']:.3f}" if "eval/loss" in s  # eval_fraction 0: no held-out loss
+                else f"train loss {s.get('train/loss', float('nan')):.3f} (no held-out rows)")
+        lines.append(f"sft: {count(s.get('steps'), 'step')}, {loss}")
     if "reward" in summary:
         r = summary["reward"]
-        lines.append(f"reward model: held-out pairwise accuracy {r.get('eval/accuracy', float('nan')):.1%}, "
-                     f"mean gap {r.get('eval/gap', float('nan')):+.2f}")
+        lines.append(f"reward model: held-out pairwise accuracy {r['eval/accuracy']:.1%}, mean gap "
+                     f"{r.get('eval/gap', float('nan')):+.2f}" if "eval/accuracy" in r
+                     else "reward model: no held-out pairs")
     if "ppo" in summary:
         p = summary["ppo"]
-        lines.append(f"ppo: {p.get('updates')} updates, learned reward on held-out prompts "
+        lines.append(f"ppo: {count(p.get('updates'), 'update')}, learned reward on held-out prompts "
                      f"{p.get('heldout_before', float('nan')):+.3f} -> {p.get('heldout_after', float('nan')):+.3f}")
     return "\n".join(lines)
