@@ -38,13 +38,12 @@ def _no_rows(where: str, field: str) -> UserError:
     return UserError(f"prompts: {where} has no rows; allowed: at least one row with a {field!r} field")
 
 
-def _open_source(source: str, split: str) -> tuple[list[dict], list[str], str]:
-    """(rows, columns, a description of where they came from for error messages)."""
+def _open_source(source: str, split: str) -> tuple[list[tuple[int, dict]], list[str], str]:
+    """(numbered rows, columns, a description of where they came from for error messages)."""
     try:
-        rows, columns, where = read_source(source, split, ALLOWED_SOURCES)
+        return read_source(source, split, ALLOWED_SOURCES)
     except UserError as e:
         raise UserError(f"prompts: {e}") from None
-    return [row for _, row in rows], columns, where
 
 
 def _demo_rows(split: str) -> list[dict]:
@@ -53,15 +52,17 @@ def _demo_rows(split: str) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "split"} for row in rows if row["split"] == split]
 
 
-def _check_rows(rows: list[dict], columns: list[str], field: str, where: str) -> None:
+def _check_rows(rows: list[dict], columns: list[str], field: str, where: str, lines: list[int] | None = None) -> None:
+    """Every row has `field` as a non-empty string; a refusal names the row's line (JSON files: the file's line,
+    other sources: the row's number from 1, as SFT / preference data do)."""
     if not rows:
         raise _no_rows(where, field)
     if field not in columns:
         raise UserError(f"prompts: {where} has no field {field!r}; fields present: {', '.join(columns)}")
-    for i, row in enumerate(rows):
+    for line, row in zip(lines or range(1, len(rows) + 1), rows, strict=True):
         value = row.get(field)
         if not isinstance(value, str) or not value.strip():
-            raise UserError(f"prompts: {where} row {i} field {field!r} is {value!r:.60}; "
+            raise UserError(f"prompts: {where} line {line} field {field!r} is {value!r:.60}; "
                             "allowed: a non-empty string")
 
 
@@ -82,9 +83,10 @@ def load_prompts(source: str, field: str = "prompt", split: str = "train",
         rows = _demo_rows(DEMO_SPLITS[source])[:limit]
         _check_rows(rows, list(rows[0]) if rows else [], field, f"built-in prompt set {source!r}")
         return rows
-    rows, columns, where = _open_source(source, split)
-    rows = rows[:limit]
-    _check_rows(rows, columns, field, where)
+    numbered, columns, where = _open_source(source, split)
+    numbered = numbered[:limit]
+    rows = [row for _, row in numbered]
+    _check_rows(rows, columns, field, where, [line for line, _ in numbered])
     return rows
 
 
