@@ -345,7 +345,7 @@ def test_a_lone_surrogate_in_a_data_row_is_one_line_naming_its_line(capsys, tmp_
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "fine", "completion": "fine", "chosen": "a", "rejected": "b"}) + "\n"
                     + json.dumps(row) + "\n")
-    source = ["--prompts", str(data), "--reward", "length", "--heldout-prompts", "none"] if trainer == "rlhf" \
+    source = ["--prompts", str(data), "--reward", "length:8", "--heldout-prompts", "none"] if trainer == "rlhf" \
         else ["--preset", "tiny", "--data", str(data)]
     code, err = _cli(capsys, "train", trainer, "--model", str(tiny_model), *source, "--run-dir", str(tmp_path / "r"))
     field = next(k for k, v in row.items() if any(0xD800 <= ord(c) <= 0xDFFF for c in v))
