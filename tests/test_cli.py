@@ -33,7 +33,7 @@ def test_every_trainer_help_prints(domain, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "control", "--total-steps", "abc"], "total_steps: 'abc' is not an integer"),
+    (["train", "control", "--total-steps", "abc"], "total_steps: 'abc' is not an integer; allowed: an integer >= 1"),
     (["train", "control", "--gamma", "2"], "gamma: 2.0 is out of range"),
     (["train", "control", "--env-id", "CartPol-v1"], "did you mean CartPole-v1"),
     (["train", "control", "--preset", "nope"], "no built-in preset 'nope'"),
@@ -54,7 +54,8 @@ def test_real_entry_point_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "ppoforge", "train", "control", "--num-envs", "zero"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "ppoforge: error: num_envs: 'zero' is not an integer"
+    assert proc.stderr.strip() == ("ppoforge: error: num_envs: 'zero' is not an integer; allowed: an integer >= 1 "
+                                   "and <= 65536")
 
 
 def test_train_resume_and_eval_from_the_cli(tmp_path, capsys):

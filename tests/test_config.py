@@ -2,9 +2,14 @@
 
 import pytest
 
+import dataclasses
+import typing
+
 from ppoforge.config import build_config, read_preset
 from ppoforge.control.config import ControlConfig
 from ppoforge.errors import UserError
+from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
 
 
 def test_strings_from_the_cli_are_coerced():
@@ -28,6 +33,22 @@ def test_strings_from_the_cli_are_coerced():
 def test_bad_values_name_the_field_and_what_is_allowed(values, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_config(ControlConfig, values)
+
+
+@pytest.mark.parametrize("cls", [ControlConfig, RLHFConfig, SFTConfig, RewardConfig], ids=lambda c: c.__name__)
+def test_every_value_of_the_wrong_type_is_one_line_with_what_the_field_allows(cls):
+    """`--clip-high abc` said "is not a number" and stopped there: every coercion error now ends in what the
+    field takes (its type, bounds, choices, and none where it is optional)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        with pytest.raises(UserError) as e:
+            build_config(cls, {f.name: ["a", "list"] if hints[f.name] in (str, str | None) else "abc"})
+        text = str(e.value)
+        assert text.startswith(f"{f.name}: ") and "; allowed: " in text and "\n" not in text, text
+    if cls is RLHFConfig:
+        with pytest.raises(UserError, match=r"^clip_high: 'abc' is not a number; allowed: a finite number > 0 and "
+                                            r"<= 100\.0, or none$"):
+            build_config(cls, {"clip_high": "abc"})
 
 
 def test_derived_values_are_computed_once():

@@ -296,9 +296,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= 1") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1; allowed: an integer >= 1")
     return value
 
 

@@ -64,51 +64,67 @@ def _to_bool(name: str, value) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
         return value.lower() in ("true", "1", "yes")
-    raise UserError(f"{name}: {value!r} is not a boolean; allowed: true or false")
+    raise ValueError("is not a boolean")
 
 
 def _to_int(name: str, value) -> int:
     if isinstance(value, bool):
-        raise UserError(f"{name}: {value!r} is not an integer")
+        raise ValueError("is not an integer")
     if isinstance(value, int):
         return value
     try:
         as_float = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{name}: {value!r} is not an integer") from None
+        raise ValueError("is not an integer") from None
     if not (math.isfinite(as_float) and as_float.is_integer()):
-        raise UserError(f"{name}: {value!r} is not an integer")
+        raise ValueError("is not an integer")
     return int(as_float)
 
 
 def _to_float(name: str, value) -> float:
     if isinstance(value, bool):
-        raise UserError(f"{name}: {value!r} is not a number")
+        raise ValueError("is not a number")
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{name}: {value!r} is not a number") from None
+        raise ValueError("is not a number") from None
     if not math.isfinite(number):
-        raise UserError(f"{name}: {value!r} is not a finite number; allowed: a finite number")
+        raise ValueError("is not a finite number")
     return number
 
 
 def _to_str(name: str, value) -> str:
     if isinstance(value, (list, dict, tuple, set)):
-        raise UserError(f"{name}: {value!r:.60} is not a single value; allowed: a string")
+        raise ValueError("is not a single value")
     return str(value)
 
 
 _CONVERT = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+_KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
 
-def _coerce(name: str, value, annotation):
+def allowed_values(kind: type, optional: bool, meta: dict) -> str:
+    """What a field takes, for the "allowed:" of a value that is not of its type: `an integer >= 1 and <= 65536`."""
+    if meta.get("choices") is not None:
+        text = "one of " + ", ".join(map(str, meta["choices"]))
+    else:
+        bounds = [f"{op} {meta[key]}" for key, op in (("gt", ">"), ("lo", ">="), ("hi", "<="))
+                  if meta.get(key) is not None]
+        text = " ".join([_KINDS[kind], " and ".join(bounds)]).strip()
+    return f"{text}, or none" if optional else text
+
+
+def _coerce(name: str, value, annotation, meta: dict | None = None):
     kind, optional = _base_type(annotation)
+    allowed = allowed_values(kind, optional, meta or {})
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
-        raise UserError(f"{name}: a value is required ({kind.__name__})")
-    return _CONVERT[kind](name, value)
+        raise UserError(f"{name}: a value is required; allowed: {allowed}")
+    try:
+        return _CONVERT[kind](name, value)
+    except ValueError as e:  # every coercion error says what the field takes (`--clip-high abc` did not)
+        raise UserError(f"{name}: {value!r:.60} {e}; allowed: {allowed}") from None
 
 
 def _check(name: str, value, meta: dict) -> None:
@@ -135,7 +151,7 @@ def build_config(cls, values: dict):
         raise UserError(f"unknown config key {unknown[0]!r}; allowed keys: {', '.join(fields)}")
     kwargs = {}
     for name, value in values.items():
-        kwargs[name] = _coerce(name, value, hints[name])
+        kwargs[name] = _coerce(name, value, hints[name], fields[name].metadata)
         _check(name, kwargs[name], fields[name].metadata)
     cfg = cls(**kwargs)
     for name, f in fields.items():  # defaults go through the same checks
