@@ -1,9 +1,9 @@
 """Config building: coercion, ranges, choices, unknown keys, presets — all one-line UserErrors."""
 
-import pytest
-
 import dataclasses
 import typing
+
+import pytest
 
 from ppoforge.config import build_config, read_preset
 from ppoforge.control.config import ControlConfig
