@@ -158,6 +158,38 @@ def test_a_resume_with_a_structural_change_is_refused_and_writes_nothing(capsys,
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files  # nothing rewritten
 
 
+def test_a_resume_refuses_a_config_yaml_edited_by_hand_or_a_checkpoint_from_another_run(capsys, reference_run,
+                                                                                          tmp_path):
+    """config.yaml says one thing, the checkpoint's run another: the run went on with the checkpoint's values (its
+    seed's RNG states, its KL controller) while config.yaml, rewritten after the load, kept saying otherwise."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    text = (run / "config.yaml").read_text()
+    assert "\nseed: 1\n" in text
+    (run / "config.yaml").write_text(text.replace("\nseed: 1\n", "\nseed: 7\n"))
+    files = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    code, err = _cli(capsys, "train", "control", "--resume", str(run), "--total-steps", "320")
+    assert code == 2 and error_lines(err) == [
+        f"ppoforge: error: resume: {run / 'config.yaml'} says seed 7 but the checkpoint's run used 1; allowed: the "
+        "config.yaml and checkpoint of one run (here seed: 1), and on the command line the fields a resume may change "
+        "(nonfinite_patience, "
+        "nonfinite_action, rollback_lr_factor, max_rollbacks, call_timeout, dist_timeout, total_steps, hand_gradients, "
+        "device, torch_threads, checkpoint_every, tensorboard, progress); a new run for the rest"], err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files  # nothing rewritten
+    # the same shapes from another run (seed 2, another learning rate): its checkpoint copied over this one's
+    (run / "config.yaml").write_text(text)
+    other = tmp_path / "other"
+    assert main(["train", "control", *TINY, "--total-steps", "64", "--seed", "2", "--learning-rate", "0.001",
+                 "--run-dir", str(other)]) == 0
+    shutil.copy(other / "checkpoint.pt", run / "checkpoint.pt")
+    capsys.readouterr()
+    code, err = _cli(capsys, "train", "control", "--resume", str(run), "--total-steps", "320")
+    assert code == 2 and len(error_lines(err)) == 1, err
+    assert "config.yaml says seed 1 but the checkpoint's run used 2; also learning_rate 0.00025 vs 0.001;" in err, err
+
+
 def test_a_resume_applies_the_changes_a_resume_may_make(capsys, reference_run, tmp_path):
     import shutil
 
@@ -495,6 +527,22 @@ def test_resume_refuses_code_that_changed_since_the_run_started(capsys, tmp_path
     sys.modules.pop("flaky_reward", None)
     code, err = _cli(capsys, "train", "rlhf", "--resume", str(run), "--total-updates", "2", "--trust-run-dir")
     assert code == 0, err
+
+
+def test_an_rlhf_resume_refuses_a_kl_coef_edited_in_config_yaml(capsys, tmp_path, tiny_model):
+    """The KL controller's coefficient is in the checkpoint: a hand-edited kl_coef resumed with the old 0.05
+    while config.yaml (rewritten after the load) said 0.2."""
+    run = tmp_path / "run"
+    assert _cli(capsys, *_rlhf_args(tiny_model, run, "length:3", "--total-updates", "1", "--kl-coef", "0.05"))[0] == 0
+    text = (run / "config.yaml").read_text()
+    assert "\nkl_coef: 0.05\n" in text
+    (run / "config.yaml").write_text(text.replace("\nkl_coef: 0.05\n", "\nkl_coef: 0.2\n"))
+    code, err = _cli(capsys, "train", "rlhf", "--resume", str(run), "--total-updates", "2")
+    assert code == 2 and len(error_lines(err)) == 1, err
+    assert f"resume: {run / 'config.yaml'} says kl_coef 0.2 but the checkpoint's run used 0.05; allowed: " in err, err
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 1  # nothing ran
+    (run / "config.yaml").write_text(text)
+    assert _cli(capsys, "train", "rlhf", "--resume", str(run), "--total-updates", "2")[0] == 0
 
 
 def test_resume_refuses_a_data_file_that_changed_since_the_run_started(capsys, tmp_path, tiny_model, reward_module,

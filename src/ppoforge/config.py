@@ -275,3 +275,27 @@ def resume_config(cls, saved: dict, overrides: dict):
         raise UserError(f"resume: cannot change {shown} of a checkpointed run; allowed on resume: "
                         f"{', '.join(resumable_fields(cls))} (start a new run for the rest)")
     return after
+
+
+def check_checkpoint_config(cfg, saved: dict | None, where: Path) -> None:
+    """Refuse a resume whose config (the run dir's config.yaml, with what the command line may change) differs
+    from the config saved inside its checkpoint on a field a resume may not change: a config.yaml edited by
+    hand (the checkpoint's KL controller, seed and data order would go on with the old values while the file
+    says otherwise), or a checkpoint copied in from another run. Exempt: the fields a resume may change, and the
+    data fields, which `runtime/trust.py` checks by content (a data file moved and renamed in config.yaml is the
+    same run). A checkpoint without a config (older ones) or a field one side lacks is not compared."""
+    if not isinstance(saved, dict):
+        return
+    current = config_to_dict(cfg)
+    exempt = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("resume") or f.metadata.get("data")}
+    differ = [(name, current[name], saved[name]) for name in current
+              if name in saved and name not in exempt and current[name] != saved[name]]
+    if not differ:
+        return
+    show = lambda v: repr(v) if isinstance(v, str) else str(v)  # noqa: E731 - one use, in the line below
+    name, now, then = differ[0]
+    more = "".join(f"; also {n} {show(a)} vs {show(b)}" for n, a, b in differ[1:])
+    raise UserError(f"resume: {where} says {name} {show(now)} but the checkpoint's run used {show(then)}{more}; "
+                    f"allowed: the config.yaml and checkpoint of one run (here {name}: {show(then)}), and on the "
+                    f"command line the fields a resume may change ({', '.join(resumable_fields(type(cfg)))}); "
+                    "a new run for the rest")

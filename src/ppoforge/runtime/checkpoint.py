@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ppoforge.config import check_checkpoint_config
 from ppoforge.errors import UserError
 from ppoforge.runtime.rundir import atomic_write_bytes
 
@@ -113,7 +114,8 @@ def sharded_writer(path: Path, module, optimizer):
 
 def resume_from(trainer, path: Path, sharded=None) -> None:
     """Load `path` into `trainer` (its `load(state)`), or a one-line UserError when the checkpoint does
-    not fit the run (another model, layout or size than the config says: a run dir edited by hand).
+    not fit the run (another model, layout or size than the config says: a run dir edited by hand), or
+    was written under another config than `trainer.cfg` (`config.check_checkpoint_config`).
     `sharded`: the trainer's model, for a sharded checkpoint directory (`sharded_writer`) whatever world
     size wrote it; its weights and `trainer.optimizer` load there, the rest through `load`."""
     if sharded is not None:
@@ -123,6 +125,7 @@ def resume_from(trainer, path: Path, sharded=None) -> None:
         state = load_sharded(path, sharded, trainer.optimizer)
     else:
         state = load_checkpoint(path, map_location="cpu")
+    check_checkpoint_config(trainer.cfg, state.get("config"), Path(path).parent / "config.yaml")
     try:
         trainer.load(state)
     except (KeyError, RuntimeError, ValueError, IndexError) as e:
