@@ -232,7 +232,7 @@ def _cmd_doctor(args) -> int:
 
     opts = Options(device=args.device, precision=args.precision, quick=args.quick,
                    require=parse_require(args.require), runs_root=args.runs_root, rdzv_endpoint=args.rdzv_endpoint,
-                   nnodes=args.nnodes, node_rank=args.node_rank)
+                   nnodes=args.nnodes, node_rank=args.node_rank, model=args.model)
     return main(opts, as_json=args.json)
 
 
@@ -380,6 +380,8 @@ def _add_doctor_parser(sub) -> None:
                      help="capabilities that decide the exit code, comma-separated: "
                      f"{', '.join(CAPABILITY_KEYS)}, all or none (default: {','.join(DEFAULT_REQUIRE)})")
     doc.add_argument("--runs-root", default="runs", help="the runs/checkpoint dir to check (default: runs)")
+    doc.add_argument("--model", help="will this model train here? the memory plan of GRPO (preset grpo) on it "
+                     "for the device checked (a directory, hub id or built-in name; only its config is read)")
     doc.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="multi-node: meet the other nodes' doctors "
                      "there (default: MASTER_ADDR:MASTER_PORT when set); run it on every node at once")
     doc.add_argument("--nnodes", type=_positive_int, help="multi-node: how many nodes (default: NNODES, "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ppoforge.doctor import distributed, gpu, libraries, security, smoke, storage, system, templates
+from ppoforge.doctor import distributed, gpu, libraries, memory, security, smoke, storage, system, templates
 from ppoforge.doctor.report import (
     CAPABILITY_KEYS,
     DEFAULT_REQUIRE,
@@ -48,6 +48,7 @@ class Options:
     rdzv_endpoint: str | None = None  # multi-node: HOST:PORT to meet the other nodes' doctors at
     nnodes: int | None = None
     node_rank: int | None = None
+    model: str | None = None  # `memory`: will this model train here (ppoforge plan's verdict)
 
 
 def parse_require(text: str) -> tuple[str, ...]:
@@ -129,6 +130,7 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("jupyter", lambda: security.check_jupyter(*security.gather_jupyter())),
         ("control_smoke", lambda: smoke.check_control_smoke(opts.device, opts.precision, workdir)),
         ("lm_smoke", lambda: smoke.check_lm_smoke(opts.device, opts.precision, workdir)),
+        ("memory", lambda: memory.check_memory(opts.model, opts.device, facts.torch_count)),
     ]
     return checks
 
