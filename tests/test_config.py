@@ -51,6 +51,19 @@ def test_every_value_of_the_wrong_type_is_one_line_with_what_the_field_allows(cl
             build_config(cls, {"clip_high": "abc"})
 
 
+def test_integers_of_hundreds_of_digits_are_one_short_line(tmp_path):
+    """A 400-digit total_steps was printed whole (from the CLI, as 'is not an integer': float() made it inf); one of
+    5000 digits in YAML was an internal error (PyYAML's int() refuses more than 4300 digits)."""
+    for value in (10**400, "9" * 400):
+        with pytest.raises(UserError, match=r"^total_steps: an integer of (401|400) digits is out of range; allowed: "
+                                            r"an integer >= 1 and <= "):
+            build_config(ControlConfig, {"total_steps": value})
+    preset = tmp_path / "p.yaml"
+    preset.write_text("total_steps: " + "9" * 5000 + "\n")
+    with pytest.raises(UserError, match=r"^preset: .*p\.yaml is not valid YAML \(Exceeds the limit \(4300 digits\)"):
+        read_preset(str(preset), "control")
+
+
 def test_derived_values_are_computed_once():
     cfg = build_config(ControlConfig, {"num_envs": 8, "num_steps": 16, "total_steps": 1000})
     assert cfg.batch_size == 128 and cfg.num_updates == 7

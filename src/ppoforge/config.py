@@ -9,6 +9,7 @@ Cross-field rules and derived values live in the dataclass's `__post_init__`-fre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -72,6 +73,9 @@ def _to_int(name: str, value) -> int:
         raise ValueError("is not an integer")
     if isinstance(value, int):
         return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        with contextlib.suppress(ValueError):  # a 400-digit integer is an integer (out of range), not inf
+            return int(value)
     try:
         as_float = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -130,6 +134,9 @@ def _coerce(name: str, value, annotation, meta: dict | None = None):
 def _check(name: str, value, meta: dict) -> None:
     if value is None:
         return
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30 and meta["hi"] is not None:
+        raise UserError(f"{name}: an integer of {len(str(abs(value)))} digits is out of range; allowed: "
+                        f"{allowed_values(int, False, meta)}")  # not all 400 digits of it
     if meta["choices"] is not None and value not in meta["choices"]:
         raise UserError(f"{name}: {value!r} is not allowed; allowed: {', '.join(map(str, meta['choices']))}")
     if meta["lo"] is not None and value < meta["lo"]:
@@ -181,6 +188,8 @@ def read_preset(preset: str, domain: str) -> dict:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise UserError(f"preset: {preset} is not valid YAML ({str(e).splitlines()[0]})") from None
+    except ValueError as e:  # PyYAML's int() of an integer past sys.get_int_max_str_digits() digits
+        raise UserError(f"preset: {preset} is not valid YAML ({str(e).split(':')[0]})") from None
     if not isinstance(data, dict):
         raise UserError(f"preset: {preset} must be a mapping of config keys to values")
     return data
@@ -248,6 +257,8 @@ def read_saved_config(path: Path) -> dict:
         raise not_utf8("resume", path, e) from None
     except yaml.YAMLError as e:
         raise UserError(f"resume: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    except ValueError as e:  # as in `read_preset`
+        raise UserError(f"resume: {path} is not valid YAML ({str(e).split(':')[0]})") from None
     if not isinstance(data, dict):
         raise UserError(f"resume: {path} is not a mapping of config keys to values")
     return data

@@ -47,6 +47,8 @@ def read_pipeline(path: Path) -> dict[str, dict]:
         raise not_utf8("pipeline", path, e) from None
     except yaml.YAMLError as e:
         raise UserError(f"pipeline: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    except ValueError as e:  # PyYAML's int() of an integer past sys.get_int_max_str_digits() digits
+        raise UserError(f"pipeline: {path} is not valid YAML ({str(e).split(':')[0]})") from None
     unknown = sorted(set(data) - set(STAGES)) if isinstance(data, dict) else ["(not a mapping)"]
     if unknown or not data:
         raise UserError(f"pipeline: {path} has {unknown[0] if unknown else 'no stages'}; allowed: sft, reward "
