@@ -93,10 +93,11 @@ def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator
     """The (turns * max_new_tokens, B) uniforms a batch's sampling consumes: one per row, turn and step (turn
     k's step t is row k * max_new_tokens + t; one turn for `sample`, `max_turns` for episodes). Drawn up
     front, so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws.
-    float64: an fp32 uniform has a 2^-24 grid, coarser than a rare token's share of the CDF."""
+    fp32: float64 draws broke the equality of one process and two ranks (measured: 5e-5 apart after one PPO
+    update, `tests/lm/test_distributed.py`), cause not found; an fp32 uniform's 2^-24 grid draws a token of
+    p < 6e-8 at a quantized rate (0 or 6e-8), where the float64 CDF gives it its share."""
     device = generator.device if generator is not None else "cpu"
-    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device,
-                      dtype=torch.float64)
+    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device)
 
 
 @torch.inference_mode()
