@@ -55,7 +55,8 @@ class Faulty(gym.Env):
 class FaultyVec(gym.vector.VectorEnv):
     """The same as a user's own VectorEnv (a vector entry point): no gymnasium code between it and us."""
 
-    metadata = {"autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP}
+    # gymnasium 1.0 (the floor) has no AutoresetMode: next-step autoreset is its only behaviour
+    metadata = {"autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP} if hasattr(gym.vector, "AutoresetMode") else {}
 
     def __init__(self, num_envs: int, mode: str):
         self.num_envs, self.mode, self.steps = num_envs, mode, 0

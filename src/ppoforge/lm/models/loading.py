@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -150,6 +151,11 @@ def _zero_dropout_config(config: PretrainedConfig) -> None:
 
 def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device) -> PreTrainedModel:
     """Fit embeddings to the tokenizer, record the pad id, zero dropout modules, eval mode, move."""
+    if model.base_model is model:  # e.g. Gemma 3 text on transformers 4.56: no trunk for the value head / scoring
+        raise UserError(f"model: {model.config.model_type} on transformers {transformers.__version__} names no "
+                        f"base model (its base_model_prefix {model.base_model_prefix!r} is not a submodule), so "
+                        "its hidden states cannot be read apart from its LM head; allowed: a newer transformers "
+                        "(5.x), or another model")
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
