@@ -158,6 +158,19 @@ def replay_ppoforge(args: argparse.Namespace) -> dict:
     set_peft_model_state_dict(peft_model, {names[k].replace(".default", ""): v for k, v in rec["init"].items()})
     tok = trainer.tokenizer
     out = {"trl": rec["trl"], "updates": []}
+    seen: dict = {}  # this update's gradients, learning rate and advantages, caught on their way
+
+    def pre_step(opt, a, k):
+        seen["grads"] = {lora_key(n): p.grad.detach().clone() for n, p in peft_model.named_parameters()
+                         if p.requires_grad and p.grad is not None}
+        seen["lr"] = opt.param_groups[0]["lr"]
+
+    def ppo_update(b, real_update=trainer.ppo_update):
+        seen["adv"] = b.adv.detach().clone()
+        return real_update(b)
+
+    trainer.optimizer.register_step_pre_hook(pre_step)
+    trainer.ppo_update = ppo_update
     for step in rec["steps"]:
         comp, cmask = step["completion_ids"], step["completion_mask"].float()
         finished = torch.tensor([bool(m.sum() < m.numel() or int(c[int(m.sum()) - 1]) in trainer.inputs.stop_ids)
@@ -169,23 +182,8 @@ def replay_ppoforge(args: argparse.Namespace) -> dict:
         batch = Batch(rows, torch.cat([step["prompt_ids"], comp], 1), step["prompt_mask"], samples, texts,
                       step["prompts"])
         trainer.collect = lambda prompts, batch=batch: batch
-        seen: dict = {}
-
-        def pre_step(opt, a, k, seen=seen):
-            seen["grads"] = {lora_key(n): p.grad.detach().clone() for n, p in peft_model.named_parameters()
-                             if p.requires_grad and p.grad is not None}
-            seen["lr"] = opt.param_groups[0]["lr"]
-
-        handle = trainer.optimizer.register_step_pre_hook(pre_step)
-        real_update = trainer.ppo_update
-
-        def ppo_update(b, seen=seen, real_update=real_update):
-            seen["adv"] = b.adv.detach().clone()
-            return real_update(b)
-
-        trainer.ppo_update = ppo_update
+        seen.clear()
         metrics, _ = trainer.train_one_update()
-        handle.remove()
         after = {lora_key(n): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
         row = {"update": trainer.update, "trl_mean_reward": float(step["rewards"].mean()),
                "ppoforge_mean_score": metrics["objective/scores"],

@@ -164,8 +164,8 @@ def components(m: ModelShape, w: Workload) -> dict[str, float]:
     out["training activations (micro-batch)"] = act
     head_logits = min(w.micro_rows * w.resp_tokens * m.vocab, 2 * HEAD_CHUNK_ELEMENTS)
     out["LM head logits (chunked, fp32)"] = head_logits * 4 * 3  # logits, log-softmax, their gradient
-    out["scoring pass (micro-batch, no graph)"] = tokens * (per_token_layer + eager) * w.compute_bytes + \
-        min(w.micro_rows * w.resp_tokens * m.vocab, 2 * HEAD_CHUNK_ELEMENTS) * 4 * 2
+    out["scoring pass (micro-batch, no graph)"] = (tokens * (per_token_layer + eager) * w.compute_bytes
+                                                   + head_logits * 4 * 2)  # logits, log-softmax
     return out
 
 
