@@ -1,3 +1,3 @@
 """ppoforge: PPO that runs — classic control and RLHF for language models, on CPU or CUDA."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
