@@ -94,27 +94,65 @@ def test_merged_lora_restores_the_same_base_weight_objects(tiny_lm_dir):
     assert not q.disable_adapters  # adapters are back on
 
 
-def test_export_over_a_bf16_base_merges_and_saves_in_fp32(tiny_lm_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def _young_bf16_lora(tiny_lm_dir):
     layout = build_lora(load_causal_lm(str(tiny_lm_dir), dtype=torch.bfloat16), 4, 8.0, "all-linear", False)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in layout.named_trainable():
             if "lora_B" in name:
                 p.normal_(0, 1e-4)  # a young adapter: a delta near the base weights' bf16 spacing
+    return layout
+
+
+def _merged_q(layout):
     q = layout.peft.base_model.model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
-        want = q.base_layer.weight.float() + q.scaling["default"] * q.lora_B["default"].weight @ q.lora_A[
+        return q, q.base_layer.weight.float() + q.scaling["default"] * q.lora_B["default"].weight @ q.lora_A[
             "default"].weight
-        delta = want - q.base_layer.weight.float()
-        rounded = want.bfloat16().float() - q.base_layer.weight.float()
+
+
+def test_merged_export_in_fp32_keeps_the_small_delta_a_bf16_merge_loses(tiny_lm_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    layout = _young_bf16_lora(tiny_lm_dir)
+    q, want = _merged_q(layout)
+    delta = want - q.base_layer.weight.float()
+    rounded = want.bfloat16().float() - q.base_layer.weight.float()
     assert (rounded - delta).norm() > 0.3 * delta.norm()  # the premise: a bf16 merge would lose much of it
-    layout.export(tmp_path / "policy")
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").model.layers[0].self_attn.q_proj.weight
+    layout.export(tmp_path / "model", "merged", torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model").model.layers[0].self_attn.q_proj.weight
     assert exported.dtype == torch.float32
     torch.testing.assert_close(exported, want, atol=1e-6, rtol=1e-6)
     assert q.base_layer.weight.dtype == torch.bfloat16  # the live model is untouched
+    # dtype None: the base's own (bf16), the merge computed in fp32 then rounded once
+    layout.export(tmp_path / "bf16", "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").model.layers[0]
+    assert exported.self_attn.q_proj.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(exported.self_attn.q_proj.weight, want.bfloat16(), atol=0, rtol=0)
+
+
+def test_adapter_export_is_peft_format_and_loads_onto_the_base(tiny_lm_dir, tmp_path):
+    """`export` kind adapter: the adapter alone, which `PeftModel.from_pretrained(base, path)` loads
+    (the lora-critic layout's critic adapter left out); `both` adds the merged model in path/merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    layout = build_lora(load_causal_lm(str(tiny_lm_dir)), 4, 8.0, "all-linear", True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in layout.named_trainable():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    _, want = _merged_q(layout)
+    layout.export(tmp_path / "model", "both")
+    files = {f.name for f in (tmp_path / "model").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "merged"} <= files
+    assert "model.safetensors" not in files and "critic" not in files
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm_dir), tmp_path / "model")
+    got = loaded.merge_and_unload().model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "merged").model.layers[0]
+    torch.testing.assert_close(merged.self_attn.q_proj.weight, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-eager", "bf16-sdpa"])

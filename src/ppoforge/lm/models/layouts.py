@@ -47,7 +47,7 @@ from ppoforge.lm.models.parts import (
     ValueHead,
     base_linear_params,
     enable_gradient_checkpointing,
-    export_model,
+    export,
     freeze,
     lora_config,
     lora_wrap,
@@ -85,7 +85,8 @@ class Layout(Protocol):
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]: ...
 
-    def export(self, path: Path) -> None: ...  # rank 0's call; every rank's when `sharded` (it gathers)
+    def export(self, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None,
+               tokenizer=None) -> Path: ...  # `parts.export`; rank 0's call, every rank's when `sharded` (it gathers)
 
     sharded: bool  # FSDP2: trainable weights are shards, their gradients reduced by FSDP (`FullLayout.shard`)
 
@@ -206,9 +207,9 @@ class LoraLayout:
     def named_trainable(self):
         return self._trainable
 
-    def export(self, path: Path) -> None:
-        """save_pretrained of base + policy adapter merged in fp32, from a copy (`parts.export_model`)."""
-        export_model(self.peft, path, drop_adapters=("critic",) if self.critic_adapter else ())
+    def export(self, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None, tokenizer=None) -> Path:
+        """The policy's adapter (PEFT format) and/or base + adapter merged into a copy (`parts.export`)."""
+        return export(self.peft, path, kind, dtype, tokenizer, drop_adapters=("critic",) if self.critic_adapter else ())
 
     def release(self) -> None:
         pass
@@ -315,9 +316,9 @@ class FullLayout:
     def named_trainable(self):
         return self._trainable
 
-    def export(self, path: Path) -> None:
-        """save_pretrained of the policy; sharded, gathered by every rank and written by rank 0."""
-        export_model(self.policy_model, path, sharded=self.sharded)
+    def export(self, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None, tokenizer=None) -> Path:
+        """The whole policy in `dtype` (`kind` aside: no adapter); sharded, gathered by every rank, rank 0 writes."""
+        return export(self.policy_model, path, kind, dtype, tokenizer, sharded=self.sharded)
 
 
 def build_lora(base: nn.Module, r: int, alpha: float, target_modules: str, critic_adapter: bool = False,

@@ -1,8 +1,8 @@
 """Model parts the layouts (lm/models/layouts.py) and the supervised trainers (lm/supervised/) share, each
-once: LoRA adapters on a frozen base (`lora_config`, `lora_wrap`), the export (`export_model`: LoRA merged
-in fp32 into a copy, or an FSDP2 model gathered), the trunks (a causal LM's hidden states as one module
-call, which FSDP2's root group needs), the value head, gradient checkpointing that keeps every module in
-eval mode, LoRA merged for decoding, and dtype casting.
+once: LoRA adapters on a frozen base (`lora_config`, `lora_wrap`), the export (`export`: a LoRA adapter in
+PEFT format and/or merged into a copy, or a whole model, FSDP2's gathered), the trunks (a causal LM's hidden
+states as one module call, which FSDP2's root group needs), the value head, gradient checkpointing that
+keeps every module in eval mode, LoRA merged for decoding, and dtype casting.
 """
 
 from __future__ import annotations
@@ -93,30 +93,60 @@ def yielding(context, value):
 
 
 # ---- export ------------------------------------------------------------------------------------------
-def export_model(model: nn.Module, path: Path, tokenizer=None, sharded: bool = False,
-                 drop_adapters: tuple[str, ...] = ()) -> None:
-    """save_pretrained of `model` (and `tokenizer`): a folder `from_pretrained` loads as it is.
+EXPORT_KINDS = ("adapter", "merged", "both")
+EXPORT_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+MERGED_DIR = "merged"  # `both`: the merged model's folder inside the adapter's
 
-    A PeftModel is merged (base + its adapter) into a copy, the live model left as it is, and in fp32 even
-    over a bf16 base: rounding W + s * B @ A to bf16 loses a small delta (65 % of the demo's trained
-    adapter, measured), so a bf16 export would not be the model that trained. `drop_adapters` (the
-    lora-critic layout's "critic") are deleted from the copy first. `sharded` (FSDP2): collective, every
-    rank gathers the weights with the others and rank 0 writes them."""
+
+def export(model: nn.Module, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None,
+           tokenizer=None, sharded: bool = False, drop_adapters: tuple[str, ...] = ()) -> Path:
+    """Save `model` (and `tokenizer`) as a folder Hugging Face loads as it is; returns `path`.
+
+    A PeftModel (LoRA) by `kind`: `adapter` (TRL's and PEFT's way) saves its "default" adapter alone
+    (adapter_config.json + adapter_model.safetensors, a few MB, `peft.PeftModel.from_pretrained(base, path)`
+    loads it; ppoforge's loaders take the folder as a model); `merged` saves base + adapter merged into a copy
+    (the live model left as it is), computed in fp32 and stored in `dtype`; `both` the adapter in `path`
+    and the merged model in `path/merged`. In bf16 the merge's rounding loses small adapter deltas (65 % of
+    the demo's trained adapter, measured): the adapter, or `dtype` fp32, is the model that trained.
+    `drop_adapters` (the lora-critic layout's "critic") never leave. Any other model (the full layout) is
+    saved whole in `dtype` whatever `kind`. `dtype` None keeps the weights' own. `sharded` (FSDP2):
+    collective, every rank gathers the weights with the others and rank 0 writes them."""
+    if kind not in EXPORT_KINDS:
+        raise ValueError(f"export kind {kind!r}; allowed: {', '.join(EXPORT_KINDS)}")
+    path = Path(path)
     if sharded:
         state = full_state_dict(model)  # collective
         if distributed.is_main():
-            model.save_pretrained(path, state_dict=state)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        return
-    if isinstance(model, PeftModel):
-        model = copy.deepcopy(model).float()
-        for name in drop_adapters:
-            model.delete_adapter(name)
-        model = model.merge_and_unload()
-    model.save_pretrained(path)
-    if tokenizer is not None:
+            model.save_pretrained(path, state_dict=_cast(state, dtype))
+    elif not isinstance(model, PeftModel):
+        model.save_pretrained(path, state_dict=_cast(model.state_dict(), dtype) if dtype else None)
+    else:
+        if kind in ("adapter", "both"):
+            model.save_pretrained(path, selected_adapters=["default"])
+        if kind in ("merged", "both"):
+            merged = path / MERGED_DIR if kind == "both" else path
+            _merged_copy(model, drop_adapters, dtype).save_pretrained(merged)
+            if tokenizer is not None and kind == "both":
+                tokenizer.save_pretrained(merged)
+    if tokenizer is not None and distributed.is_main():
         tokenizer.save_pretrained(path)
+    return path
+
+
+def _merged_copy(peft_model: PeftModel, drop_adapters: tuple[str, ...], dtype: torch.dtype | None) -> nn.Module:
+    """Base + the "default" adapter merged in fp32 into a copy, then stored in `dtype` (None: the base's)."""
+    base_dtype = next(peft_model.get_base_model().parameters()).dtype
+    model = copy.deepcopy(peft_model).float()
+    for name in drop_adapters:
+        model.delete_adapter(name)
+    return model.merge_and_unload().to(dtype or base_dtype)
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Floating tensors of a state dict in `dtype` (None: as they are)."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
 # ---- trunks and the value head -------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Objective(Protocol):
     def evaluate(self, items: list) -> dict: ...  # eval/ metrics over this rank's slice of the held-out items,
     #   combined over the ranks (the same on every rank); rank 0 writes what goes into the run dir
 
-    def export(self, path: Path) -> None: ...  # save_pretrained of the trained model and its tokenizer
+    def export(self, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None) -> Path: ...  # `parts.export`
     #   (rank 0's call; every rank's when sharded: it gathers the weights)
 
     sharded: bool  # FSDP2: the model's weights are shards (`shard`, the full layout with `fsdp` under torchrun)

@@ -23,7 +23,7 @@ from ppoforge.core.preference import bradley_terry_loss
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import right_pad
 from ppoforge.lm.models.loading import is_causal, load_reward_model
-from ppoforge.lm.models.parts import export_model, lora_config, lora_wrap
+from ppoforge.lm.models.parts import export, lora_config, lora_wrap
 from ppoforge.lm.models.rows import branch_rows, shared_length
 from ppoforge.lm.models.windows import attention_window
 from ppoforge.lm.supervised.config import RewardConfig
@@ -127,8 +127,8 @@ class RewardObjective:
         return {"eval/accuracy": float((gaps > 0).float().mean()), "eval/gap": float(gaps.mean()),
                 "eval/pairs": len(gaps)}
 
-    def export(self, path: Path) -> None:
-        export_model(self.model, path, self.tokenizer, self.sharded)
+    def export(self, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None) -> Path:
+        return export(self.model, path, kind, dtype, self.tokenizer, self.sharded)
 
 
 def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:

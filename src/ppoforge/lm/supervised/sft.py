@@ -24,7 +24,7 @@ from ppoforge.lm.models.logprobs import head_logprobs
 from ppoforge.lm.models.parts import (
     Trunk,
     enable_gradient_checkpointing,
-    export_model,
+    export,
     head_size,
     lora_config,
     lora_wrap,
@@ -159,8 +159,8 @@ class SFTObjective:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(messages[-1]["content"])["input_ids"]
 
-    def export(self, path: Path) -> None:
-        export_model(self.model, path, self.tokenizer, self.sharded)
+    def export(self, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None) -> Path:
+        return export(self.model, path, kind, dtype, self.tokenizer, self.sharded)
 
 
 def _prompt_of(row: dict):
