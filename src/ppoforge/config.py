@@ -3,7 +3,8 @@
 A trainer's config is one dataclass whose fields are declared with `param(default, help, ...)`.
 The same declaration drives `--help`, YAML preset loading, string coercion of CLI overrides, range and
 choice checks, and the `config.yaml` saved in each run dir. Precedence: field default < preset < CLI.
-Cross-field rules and derived values live in the dataclass's `__post_init__`-free `finalize()` hook.
+Cross-field rules and derived values live in the dataclass's `finalize()` hook, which `Validated`'s
+`__post_init__` runs after checking every field: a config constructed in Python is checked as the CLI's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import types
@@ -160,12 +162,35 @@ def build_config(cls, values: dict):
     for name, value in values.items():
         kwargs[name] = _coerce(name, value, hints[name], fields[name].metadata)
         _check(name, kwargs[name], fields[name].metadata)
-    cfg = cls(**kwargs)
-    for name, f in fields.items():  # defaults go through the same checks
-        _check(name, getattr(cfg, name), f.metadata)
-    if hasattr(cfg, "finalize"):
-        cfg.finalize()
-    return cfg
+    return cls(**kwargs)  # `Validated.__post_init__`: every field (defaults too) checked, then finalize()
+
+
+@functools.cache
+def _fields_and_hints(cls) -> tuple[dict, dict]:
+    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
+
+
+class Validated:
+    """The base of every trainer config (through `FaultConfig`): constructing one, `RLHFConfig(learning_rate=-1)`
+    from Python as much as `build_config` from the CLI, coerces and checks every field and runs `finalize()`, so a
+    bad value is the CLI's one-line UserError wherever the config comes from. `preset_domain` is the folder of
+    its built-in presets (configs/<domain>/), which `from_preset` reads."""
+
+    preset_domain = ""
+
+    def __post_init__(self) -> None:
+        fields, hints = _fields_and_hints(type(self))
+        for name, f in fields.items():
+            value = _coerce(name, getattr(self, name), hints[name], f.metadata)
+            _check(name, value, f.metadata)
+            setattr(self, name, value)
+        if hasattr(self, "finalize"):
+            self.finalize()
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides):
+        """A built-in preset (or a YAML path) with `overrides` on top: `--preset NAME --key value` from Python."""
+        return build_config(cls, {**read_preset(preset, cls.preset_domain), **overrides})
 
 
 def read_preset(preset: str, domain: str) -> dict:

@@ -73,6 +73,8 @@ def stage_configs(spec: dict[str, dict], run_dir: Path) -> dict:
                 values.setdefault("reward", f"model:{run_dir / 'reward' / 'model'}")
         try:
             configs[stage] = build_config(cls, values)
+            if stage != "ppo":
+                configs[stage].check_data()
         except UserError as e:
             raise UserError(f"pipeline: {stage}: {e}") from None
     return configs

@@ -15,6 +15,7 @@ MAX_ROLLOUT = 2**26  # transitions per rollout (num_envs * num_steps); its buffe
 
 @dataclass
 class ControlConfig(FaultConfig):
+    preset_domain = "control"  # its built-in presets: configs/control/ (`from_preset`)
     env_id: str = param("CartPole-v1", "gymnasium environment id")
     total_steps: int = param(500_000, "environment steps to train for (all envs together)",
                              lo=1, hi=10**12, resume=True)

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from ppoforge.config import param
+from ppoforge.config import Validated, param
 from ppoforge.errors import Fault
 from ppoforge.runtime import distributed
 from ppoforge.runtime.checkpoint import save_checkpoint
@@ -43,8 +43,8 @@ SNAPSHOT_LIMIT = 512 * 2**20  # bytes of state copied in memory at every update'
 
 
 @dataclass
-class FaultConfig:
-    """Fields shared by every trainer's config (declared once here)."""
+class FaultConfig(Validated):
+    """Fields shared by every trainer's config (declared once here); checked on construction (`Validated`)."""
 
     nonfinite_patience: int = param(3, "optimizer steps in a row with a non-finite loss or gradient norm (or "
                                     "updates with a non-finite reward) that the guard skips before it acts",
@@ -307,20 +307,30 @@ def train_loop(trainer: Trainer, guard: RunGuard, total: int, checkpoint_every: 
     (`roll_back`). Under torchrun the ranks agree on a stop after each update (one that reached one rank
     first stops them all there)."""
     with StopFlag() as stop:
-        stopping = False
-        while trainer.update < total and not stopping:
-            try:
-                with guard.update():
-                    after_update(trainer.train_one_update())
-                    stopping = distributed.any_true(bool(stop))
-                    if trainer.update % checkpoint_every == 0 or trainer.update == total or stopping:
-                        guard.save()
-            except Rollback as e:
-                roll_back(trainer, guard, str(e))
-            except StopRequested as e:  # a stop inside a user call: the last completed update is saved
-                stop.signal_name = stop.signal_name or e.signal_name
+        while trainer.update < total:
+            if not run_update(trainer, guard, total, checkpoint_every, after_update, stop):
                 break
     return stop.signal_name
+
+
+def run_update(trainer: Trainer, guard: RunGuard, total: int, checkpoint_every: int, after_update,
+               stop: StopFlag) -> bool:
+    """One update of `train_loop` (the Python API's `step()` runs it alone, under its own StopFlag): the
+    update, `after_update`, the checkpoint every `checkpoint_every` updates, at `total` and on a stop, all
+    inside `guard.update()`; a rollback. False when the run stops here (a signal)."""
+    try:
+        with guard.update():
+            after_update(trainer.train_one_update())
+            stopping = distributed.any_true(bool(stop))
+            if trainer.update % checkpoint_every == 0 or trainer.update == total or stopping:
+                guard.save()
+        return not stopping
+    except Rollback as e:
+        roll_back(trainer, guard, str(e))
+        return True
+    except StopRequested as e:  # a stop inside a user call: the last completed update is saved
+        stop.signal_name = stop.signal_name or e.signal_name
+        return False
 
 
 def roll_back(trainer: Trainer, guard: RunGuard, why: str) -> None:

@@ -32,6 +32,7 @@ MAX_ROLLOUT_TOKENS = 2**26  # the model-specific memory check comes when the mod
 
 @dataclass
 class RLHFConfig(FaultConfig):
+    preset_domain = "rlhf"  # its built-in presets: configs/rlhf/ (`from_preset`)
     # ---- models
     model: str = param("smollm2-135m-instruct", "policy model: a checkpoint dir, a hub id or a built-in name")
     tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")

@@ -310,43 +310,69 @@ class RLHFTrainer:
 
     # ---- the run loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        """Train until total_updates or a stop signal: `open_run`, `train_loop` with `after_update`, `finish`,
+        `close_run`. The Python API's `step()` runs the same pieces one update at a time (ppoforge/api.py)."""
+        self.open_run()
+        try:
+            stopped = train_loop(self, self.run_guard, self.cfg.total_updates, self.cfg.checkpoint_every,
+                                 self.after_update)
+            if self.update == self.cfg.total_updates and not stopped:
+                self.finish()
+        finally:
+            self.close_run()
+        self.plot()
+        return TrainResult(self.run_dir, self.update, self.update * self.cfg.rollout_size, self.last, stopped)
+
+    def open_run(self) -> None:
+        """Before this process's first update: the run dir's config and logs (`open_run_dir`), the data report,
+        the progress bar; on a fresh run the held-out evaluation before training."""
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
-        logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "prompts"), self.update,
-                              ("metrics.jsonl", "completions.jsonl"), main)
+        self.logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "prompts"), self.update,
+                                   ("metrics.jsonl", "completions.jsonl"), main)
         if main:  # how many prompts trained, were held out or cut (max_prompt_tokens)
             (self.run_dir / "data_report.json").write_text(json.dumps(self.inputs.data_report(), indent=1) + "\n")
-        progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress and main, unit="update")
-        last: dict = {}
-
-        def after_update(result) -> None:
-            metrics, table = result
-            last.update(metrics)
-            if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
-                logger.log(self.update, metrics)
-                self._log_table(logger, "train", table)
-            if cfg.heldout_every and self.update % cfg.heldout_every == 0 and self.update < cfg.total_updates:
-                self._log_heldout(logger)  # the last update's evaluation comes after the loop
-            progress.advance(1, score=metrics["objective/scores"], kl=metrics.get("objective/kl"))
-
+        self.progress = Progress(cfg.total_updates, self.update, enabled=cfg.progress and main, unit="update")
+        self.last: dict = {}  # the metrics of the last update run
         try:
             if self.update == 0:
-                self._log_heldout(logger)
+                self._log_heldout(self.logger)
                 if "rollback" in (cfg.nonfinite_action, cfg.collapse_action):
                     self.run_guard.save()  # a rollback needs a checkpoint to go back to
-            stopped = train_loop(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every, after_update)
-            if self.update == cfg.total_updates and not stopped:
-                self._log_heldout(logger)
-                if main or self.sharded:  # sharded, every rank takes part in gathering the weights
-                    self.layout.export(self.run_dir / "policy")
-                if main:
-                    self.tokenizer.save_pretrained(self.run_dir / "policy")
-        finally:
-            progress.close()
-            logger.close()
+        except BaseException:
+            self.close_run()
+            raise
+
+    def after_update(self, result: tuple[dict, list[dict]]) -> None:
+        """`train_loop`'s after_update (inside its RunGuard): the update's metrics and completions every
+        log_every updates, the held-out evaluation every heldout_every, the progress bar."""
+        (metrics, table), cfg = result, self.cfg
+        self.last.update(metrics)
+        if self.update % cfg.log_every == 0 or self.update == cfg.total_updates:
+            self.logger.log(self.update, metrics)
+            self._log_table(self.logger, "train", table)
+        if cfg.heldout_every and self.update % cfg.heldout_every == 0 and self.update < cfg.total_updates:
+            self._log_heldout(self.logger)  # the last update's evaluation comes after the loop
+        self.progress.advance(1, score=metrics["objective/scores"], kl=metrics.get("objective/kl"))
+
+    def finish(self) -> None:
+        """After the last update: the held-out evaluation, then the tuned policy exported to RUN/policy."""
+        main = self.world.is_main
+        self._log_heldout(self.logger)
+        if main or self.sharded:  # sharded, every rank takes part in gathering the weights
+            self.layout.export(self.run_dir / "policy")
         if main:
+            self.tokenizer.save_pretrained(self.run_dir / "policy")
+
+    def close_run(self) -> None:
+        self.progress.close()
+        self.logger.close()
+
+    def plot(self) -> None:
+        """reward_kl.png from metrics.jsonl (rank 0)."""
+        cfg = self.cfg
+        if self.world.is_main:
             plot_curves(self.run_dir / "metrics.jsonl", ["objective/scores", "objective/kl", "objective/rlhf_reward",
                         "eval/scores"], self.run_dir / "reward_kl.png", title=f"{cfg.curve_title}: {cfg.model}")
-        return TrainResult(self.run_dir, self.update, self.update * cfg.rollout_size, last, stopped)
 
     def _log_heldout(self, logger: MetricsLogger) -> None:
         result = self.heldout()

@@ -58,8 +58,6 @@ class SupervisedConfig(FaultConfig):
 
     def finalize(self) -> None:
         check_device_name(self.device)
-        if not self.data:
-            raise UserError("data: required; allowed: a .jsonl/.json/.csv/.parquet file or a datasets name")
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide batch_size "
                             f"{self.batch_size}; allowed: a divisor of batch_size")
@@ -70,8 +68,15 @@ class SupervisedConfig(FaultConfig):
             raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
                             "all-reduce across ranks); allowed: fp32, bf16, auto")
 
+    def check_data(self) -> None:
+        """Training needs `data`; a config may be built without it (the Python API's trainers take the rows as
+        `train_dataset`), so the trainers and the pipeline check it, not `finalize`."""
+        if not self.data:
+            raise UserError("data: required; allowed: a .jsonl/.json/.csv/.parquet file or a datasets name")
+
 @dataclass
 class SFTConfig(SupervisedConfig):
+    preset_domain = "sft"  # its built-in presets: configs/sft/ (`from_preset`)
     packing: bool = param(False, "pack several examples into each row (no attention across them)")
     sample_prompts: int = param(3, "held-out prompts completed at each evaluation (written to samples.jsonl)",
                                 lo=0, hi=1000, resume=True)
@@ -79,6 +84,7 @@ class SFTConfig(SupervisedConfig):
 
 @dataclass
 class RewardConfig(SupervisedConfig):
+    preset_domain = "reward"  # its built-in presets: configs/reward/ (`from_preset`)
     center_coef: float = param(0.0, "reward centering: + this * mean((r_chosen + r_rejected)^2) (TRL: 0.01)",
                                lo=0.0, hi=1e3)
     shared_prefix: str = param("auto", "a causal model scores each pair as one row, the prompt once (tree mask); "

@@ -151,6 +151,7 @@ def plot_gaps(gaps: torch.Tensor, out_png: Path) -> None:
 
 def train(cfg: RewardConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train (or, with resume, continue) a reward model in `run_dir`; exported to run_dir/model."""
+    cfg.check_data()
     with rundir.hold(run_dir):  # one run at a time in a run dir
         trainer = SupervisedTrainer(cfg, run_dir, RewardObjective(cfg, run_dir))
         if resume:

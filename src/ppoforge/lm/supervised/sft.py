@@ -175,6 +175,7 @@ def _prompt_of(row: dict):
 
 def train(cfg: SFTConfig, run_dir: Path, resume: bool = False) -> dict:
     """Fine-tune (or, with resume, continue) in `run_dir`; the model is exported to run_dir/model."""
+    cfg.check_data()
     with rundir.hold(run_dir):  # one run at a time in a run dir
         trainer = SupervisedTrainer(cfg, run_dir, SFTObjective(cfg, run_dir))
         if resume:
