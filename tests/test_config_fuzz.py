@@ -47,11 +47,11 @@ def test_every_numeric_field_is_bounded_above():
     """Sizes and coefficients all have an upper bound, so a value no machine holds is refused up front."""
     import typing
 
-    from ppoforge.config import _base_type
+    from ppoforge.config import base_type
 
     for cls in CONFIGS.values():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            kind, _ = _base_type(hints[f.name])
+            kind, _ = base_type(hints[f.name])
             if kind in (int, float):
                 assert f.metadata["hi"] is not None or f.metadata["choices"], f"{cls.__name__}.{f.name}"

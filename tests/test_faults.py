@@ -572,7 +572,8 @@ def test_an_oom_in_a_micro_batch_halves_it_with_the_same_result(tmp_path, tiny_m
 
     values = dict(model=str(tiny_model), prompts="demo", heldout_prompts=None, reward="length:3", batch_size=4,
                   mini_batch_size=4, micro_batch_size=4, max_new_tokens=4, max_prompt_tokens=16, ppo_epochs=2,
-                  total_updates=2, progress=False, tensorboard=False, device="cpu", learning_rate=1e-2)
+                  total_updates=2, progress=False, tensorboard=False, device="cpu", learning_rate=1e-2,
+                  precision="fp32")
     planned = RLHFTrainer(build_config(RLHFConfig, values), tmp_path / "planned")
     oom = RLHFTrainer(build_config(RLHFConfig, values), tmp_path / "oom")
     forward, calls = oom.layout.forward, {"n": 0}
@@ -599,7 +600,7 @@ def test_an_oom_in_generation_halves_the_generation_batch_with_the_same_draws(tm
 
     values = dict(model=str(tiny_model), prompts="demo", heldout_prompts=None, reward="length:3", batch_size=8,
                   mini_batch_size=8, micro_batch_size=8, max_new_tokens=5, progress=False, tensorboard=False,
-                  device="cpu")
+                  device="cpu", precision="fp32")
     trainer = RLHFTrainer(build_config(RLHFConfig, values), tmp_path)
     rows = trainer.inputs.prompt_ids[:8]
     want = trainer.collector.generate(rows, torch.Generator().manual_seed(3))[2]

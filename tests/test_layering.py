@@ -10,7 +10,9 @@ Layers, bottom to top (docs/architecture.md draws them):
     lm.envs, lm.supervised
     lm.rl
     doctor, pipeline, notebook
+    cli_args                the command line's parsers
     cli
+    config_reference        docs/configuration.md and docs/cli.md, generated from the parsers and configs
     __main__
 
 `config` and `runtime` share a layer (FaultConfig is declared with `param`; saving a config writes
@@ -34,7 +36,9 @@ LAYERS = [
     {"lm.envs", "lm.supervised"},
     {"lm.rl"},
     {"doctor", "pipeline", "notebook"},
+    {"cli_args"},
     {"cli"},
+    {"config_reference"},
     {"__main__"},
 ]
 RANK = {group: i for i, layer in enumerate(LAYERS) for group in layer}

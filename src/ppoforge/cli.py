@@ -23,7 +23,6 @@ every other command never load transformers, peft, gymnasium or the trainers the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -32,31 +31,14 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from ppoforge.config import (
-    add_config_arguments,
-    build_config,
-    list_presets,
-    overrides_from_args,
-    read_preset,
-    read_saved_config,
-    resume_config,
-)
-from ppoforge.control.config import ControlConfig
-from ppoforge.doctor.report import CAPABILITY_KEYS, DEFAULT_REQUIRE
+import yaml
+
+from ppoforge.cli_args import PLAN_KINDS, TRAINERS, build_parser, overrides_from_args
+from ppoforge.config import build_config, config_to_dict, list_presets, preset_values, read_saved_config, resume_config
 from ppoforge.errors import UserError, classify
-from ppoforge.lm.rl.config import RLHFConfig
-from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
 from ppoforge.notebook import NotebookOptions, launch
 from ppoforge.runtime import rundir, trust
 from ppoforge.runtime.allocator import keep_freed_memory
-from ppoforge.runtime.precision import PRECISION_CHOICES
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit code 2 (argparse's code, minus the usage dump)."""
-
-    def error(self, message: str):
-        raise UserError(f"{self.prog}: {message}")
 
 
 def _new_run_dir(root: str, name: str) -> Path:
@@ -75,15 +57,14 @@ def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]
     only: nothing is written here (`_held` then holds the run dir and, for a new run, clears it)."""
     overrides = overrides_from_args(args)
     if args.resume:
-        if args.preset or args.run_dir:
-            raise UserError("resume: --preset and --run-dir belong to a new run; allowed with --resume: the "
+        if args.preset or args.config or args.run_dir:
+            raise UserError("resume: --preset, --config and --run-dir belong to a new run; allowed with --resume: the "
                             "run dir and the fields a resume may change")
         run_dir = Path(args.resume)
         cfg = resume_config(cls, read_saved_config(run_dir / "config.yaml"), overrides)
         trust.check_resume(run_dir, cfg, args.trust_run_dir)
         return cfg, run_dir
-    values = read_preset(args.preset, domain) if args.preset else {}
-    cfg = build_config(cls, {**values, **overrides})
+    cfg = build_config(cls, {**preset_values(args.preset, args.config, domain), **overrides})
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, run_name(cfg))
     return cfg, run_dir
 
@@ -122,7 +103,7 @@ def _cmd_train_control(args) -> int:
     # CLI start-up: the trainer and gymnasium load for this command only, never for --help or another command
     from ppoforge.control.trainer import train
 
-    cfg, run_dir = _config_and_run_dir(args, ControlConfig, "control", lambda c: f"{c.env_id}-s{c.seed}")
+    cfg, run_dir = _config_and_run_dir(args, TRAINERS["control"], "control", lambda c: f"{c.env_id}-s{c.seed}")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
     recent = result.recent_returns[-20:]
@@ -136,7 +117,7 @@ def _cmd_train_rlhf(args) -> int:
     # CLI start-up: the trainer, transformers and peft load for this command only
     from ppoforge.lm.rl.trainer import train
 
-    cfg, run_dir = _config_and_run_dir(args, RLHFConfig, "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
+    cfg, run_dir = _config_and_run_dir(args, TRAINERS["rlhf"], "rlhf", lambda c: f"rlhf-{c.layout}-s{c.seed}")
     _memory_plan(cfg, "rlhf")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
@@ -150,7 +131,7 @@ def _cmd_train_sft(args) -> int:
     # CLI start-up: the trainer, transformers and peft load for this command only
     from ppoforge.lm.supervised.sft import train
 
-    cfg, run_dir = _config_and_run_dir(args, SFTConfig, "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
+    cfg, run_dir = _config_and_run_dir(args, TRAINERS["sft"], "sft", lambda c: f"sft-{c.layout}-s{c.seed}")
     _memory_plan(cfg, "sft")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
@@ -164,7 +145,7 @@ def _cmd_train_reward(args) -> int:
     # CLI start-up: the trainer, transformers and peft load for this command only
     from ppoforge.lm.supervised.reward_model import train
 
-    cfg, run_dir = _config_and_run_dir(args, RewardConfig, "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
+    cfg, run_dir = _config_and_run_dir(args, TRAINERS["reward"], "reward", lambda c: f"reward-{c.layout}-s{c.seed}")
     _memory_plan(cfg, "reward")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
@@ -244,9 +225,6 @@ def _cmd_notebook(args) -> int:
     return 0  # not reached: launch() execs jupyter
 
 
-PLAN_KINDS = {"rlhf": RLHFConfig, "sft": SFTConfig, "reward": RewardConfig}
-
-
 def _memory_plan(cfg, kind: str) -> None:
     """On CUDA: the plan's peak, one line at a run's start, and a run the plan says cannot fit refused first."""
     # CLI start-up: transformers loads for the train commands only
@@ -262,8 +240,7 @@ def _cmd_plan(args) -> int:
 
     overrides = overrides_from_args(args)
     target = overrides.pop("device", "cpu")  # a target such as cuda:80GB is not a run's device
-    values = read_preset(args.preset, args.kind) if args.preset else {}
-    cfg = build_config(PLAN_KINDS[args.kind], {**values, **overrides})
+    cfg = build_config(PLAN_KINDS[args.kind], {**preset_values(args.preset, args.config, args.kind), **overrides})
     result = memplan.for_config(cfg, args.kind, target, args.world_size)
     if args.json:
         print(json.dumps({"components": result.components, "phases": result.phases, "peak": result.peak,
@@ -274,136 +251,16 @@ def _cmd_plan(args) -> int:
     return 0 if result.fits is not False else 1
 
 
-def _add_plan_parser(sub) -> None:
-    plan = sub.add_parser("plan", help="will it fit? a trainer config's memory per phase and the verdict for a "
-                          "device, before the run (nothing is loaded: the model is built on the meta device)")
-    kinds = plan.add_subparsers(dest="kind", required=True, parser_class=_Parser)
-    for kind, cls in PLAN_KINDS.items():
-        p = kinds.add_parser(kind, help=f"the memory of `ppoforge train {kind}` with these options")
-        p.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets(kind))}) or a YAML file")
-        p.add_argument("--world-size", type=_positive_int, default=1,
-                       help="GPUs the full layout is sharded over with fsdp (torchrun --nproc_per_node)")
-        p.add_argument("--json", action="store_true", help="the plan as JSON")
-        add_config_arguments(p, cls)
-        p.set_defaults(func=_cmd_plan)
-        for action in p._actions:  # the device to plan for: cpu, cuda, cuda:N or a target such as cuda:80GB
-            if action.dest == "cfg.device":
-                action.help = ("the device to plan for: cpu (this machine's available memory), cuda or cuda:N "
-                               "(the GPU here), or a target such as cuda:24GB, cuda:40GB, cuda:80GB (default: cpu)")
+def _print_config(args) -> int:
+    """`train DOMAIN --print-config`: the resolved config as YAML (as config.yaml has it; --config reads it back)."""
+    cfg, _ = _config_and_run_dir(args, TRAINERS[args.domain], args.domain, lambda c: "")
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1; allowed: an integer >= 1")
-    return value
-
-
-def _add_train_parser(train_sub, domain: str, cls, help: str, run_name: str, func) -> None:
-    p = train_sub.add_parser(domain, help=help)
-    p.add_argument("--preset", help=f"built-in preset ({', '.join(list_presets(domain))}) or a YAML file")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint; refused "
-                   "when the code (py: items) or data files its config names changed since the run started (a check "
-                   "against drift, recorded in the run dir itself: not against a run dir someone edited, so resume "
-                   "only run dirs you trust)")
-    p.add_argument("--trust-run-dir", action="store_true",
-                   help="with --resume: go on although the code the run dir's config names (py: items, imported) "
-                   "or its data files changed since the run started")
-    p.add_argument("--run-dir", help=f"where to write the run (default: RUNS_ROOT/{run_name})")
-    p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
-    p.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
-    add_config_arguments(p, cls)
-    p.set_defaults(func=func)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    train = sub.add_parser("train", help="train a policy")
-    train_sub = train.add_subparsers(dest="domain", required=True, parser_class=_Parser)
-    _add_train_parser(train_sub, "control", ControlConfig, "PPO on a gymnasium control task",
-                      "<env>-s<seed>-<time>", _cmd_train_control)
-    _add_train_parser(train_sub, "rlhf", RLHFConfig, "PPO RLHF of a causal LM against a reward",
-                      "rlhf-<layout>-s<seed>-<time>", _cmd_train_rlhf)
-    _add_train_parser(train_sub, "sft", SFTConfig, "supervised fine-tuning of a causal LM (loss on completions)",
-                      "sft-<layout>-s<seed>-<time>", _cmd_train_sft)
-    _add_train_parser(train_sub, "reward", RewardConfig, "a reward model from preference pairs (Bradley-Terry)",
-                      "reward-<layout>-s<seed>-<time>", _cmd_train_reward)
-
-    demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline "
-                          "(--task arithmetic: GRPO teaches it one-digit sums)")
-    demo.add_argument("--task", choices=("sentiment", "arithmetic"), default="sentiment",
-                      help="sentiment (default): PPO + VADER, preset demo; arithmetic: GRPO on reasoning-gym "
-                      "chain_sum, held-out accuracy before -> after, preset arithmetic_demo (needs ppoforge[tasks])")
-    demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo[-TASK]-<time>)")
-    demo.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
-    demo.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
-    add_config_arguments(demo, RLHFConfig)
-    demo.set_defaults(func=_cmd_demo)
-
-    _add_plan_parser(sub)
-
-    pipe = sub.add_parser("pipeline", help="SFT -> reward model -> PPO from one YAML file, resumable per stage")
-    pipe.add_argument("config", help=f"a pipeline YAML file or a built-in one ({', '.join(list_presets('pipeline'))})")
-    pipe.add_argument("--run-dir", help="where the stages run (default: RUNS_ROOT/pipeline-<config name>); "
-                      "rerun with the same one to continue")
-    pipe.add_argument("--runs-root", default="runs", help="parent folder of the run dir (default: runs)")
-    pipe.add_argument("--trust-run-dir", action="store_true", help="resume stages whose py: code or data files "
-                      "changed since they started")
-    pipe.set_defaults(func=_cmd_pipeline)
-
-    ev = sub.add_parser("eval", help="evaluate a control run: mean ± std return")
-    ev.add_argument("run_dir", help="a run dir written by `ppoforge train control`")
-    ev.add_argument("--episodes", type=_positive_int, default=20, help="episodes per mode")
-    ev.add_argument("--seed", type=int, default=10_000, help="seed of the first evaluation episode")
-    ev.set_defaults(func=_cmd_eval)
-
-    _add_doctor_parser(sub)
-    _add_notebook_parser(sub)
-    return parser
-
-
-def _add_doctor_parser(sub) -> None:
-    doc = sub.add_parser("doctor", help="check this machine: GPU, precision, libraries, storage, security; "
-                         "exit 0 when the required capabilities hold")
-    doc.add_argument("--quick", action="store_true",
-                     help="skip the slow checks (all-reduce, smoke runs, matmul benchmark); for HEALTHCHECK")
-    doc.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
-    doc.add_argument("--device", default="auto", help="device for the smoke runs: auto, cpu, cuda, cuda:N")
-    doc.add_argument("--precision", default="fp32", choices=PRECISION_CHOICES,
-                     help="precision for the smoke runs (default: fp32)")
-    doc.add_argument("--require", default=",".join(DEFAULT_REQUIRE),
-                     help="capabilities that decide the exit code, comma-separated: "
-                     f"{', '.join(CAPABILITY_KEYS)}, all or none (default: {','.join(DEFAULT_REQUIRE)})")
-    doc.add_argument("--runs-root", default="runs", help="the runs/checkpoint dir to check (default: runs)")
-    doc.add_argument("--model", help="will this model train here? the memory plan of GRPO (preset grpo) on it "
-                     "for the device checked (a directory, hub id or built-in name; only its config is read)")
-    doc.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="multi-node: meet the other nodes' doctors "
-                     "there (default: MASTER_ADDR:MASTER_PORT when set); run it on every node at once")
-    doc.add_argument("--nnodes", type=_positive_int, help="multi-node: how many nodes (default: NNODES, "
-                     "SLURM_NNODES, else 1)")
-    doc.add_argument("--node-rank", type=int, help="multi-node: this node's rank, 0 hosts the rendezvous "
-                     "(default: NODE_RANK, SLURM_NODEID, else 0)")
-    doc.set_defaults(func=_cmd_doctor)
-
-
-def _add_notebook_parser(sub) -> None:
-    nb = sub.add_parser("notebook", help="JupyterLab with authentication always on, on 127.0.0.1 by default")
-    nb.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 warns)")
-    nb.add_argument("--port", type=int, default=8888, help="port (default 8888)")
-    nb.add_argument("--root-dir", default=".", help="folder the notebook browser starts in (default: .)")
-    nb.add_argument("--token-file", help="file holding the token (default: $PPOFORGE_NOTEBOOK_TOKEN_FILE, "
-                    "$PPOFORGE_NOTEBOOK_TOKEN, else a new random token printed once)")
-    nb.add_argument("--password-hash", help="argon2 hash for password login instead of a token (default: "
-                    "$PPOFORGE_NOTEBOOK_PASSWORD_HASH)")
-    nb.add_argument("--allow-origin", default="", help="one exact origin allowed to call the API (never '*')")
-    nb.add_argument("--allow-root", action="store_true", help="allow running as root (prints a warning)")
-    nb.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="after --: more jupyter lab options")
-    nb.set_defaults(func=_cmd_notebook)
+HANDLERS = {"train_control": _cmd_train_control, "train_rlhf": _cmd_train_rlhf, "train_sft": _cmd_train_sft,
+            "train_reward": _cmd_train_reward, "demo": _cmd_demo, "plan": _cmd_plan, "pipeline": _cmd_pipeline,
+            "eval": _cmd_eval, "doctor": _cmd_doctor, "notebook": _cmd_notebook}
 
 
 def _quiet_libraries() -> None:
@@ -429,7 +286,9 @@ def _main(argv: list[str] | None) -> int:
     debug = "--debug" in argv or os.environ.get("PPOFORGE_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(HANDLERS).parse_args(argv)
+        if getattr(args, "print_config", False):
+            return _print_config(args)
         if args.command in ("train", "demo", "pipeline"):
             _quiet_libraries()
             keep_freed_memory()  # process-wide, so here and not in a trainer (see runtime/allocator.py)

@@ -2,14 +2,14 @@
 
 A trainer's config is one dataclass whose fields are declared with `param(default, help, ...)`.
 The same declaration drives `--help`, YAML preset loading, string coercion of CLI overrides, range and
-choice checks, and the `config.yaml` saved in each run dir. Precedence: field default < preset < CLI.
+choice checks, and the `config.yaml` saved in each run dir. Precedence: field default < preset < a `--config`
+file < CLI (a preset or config file may extend a preset: `preset: grpo`).
 Cross-field rules and derived values live in the dataclass's `finalize()` hook, which `Validated`'s
 `__post_init__` runs after checking every field: a config constructed in Python is checked as the CLI's.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -53,7 +53,13 @@ def param(default, help: str, *, choices=None, lo=None, hi=None, gt=None, resume
     return dataclasses.field(default=default, metadata=meta)
 
 
-def _base_type(annotation) -> tuple[type, bool]:
+def default_micro_batch(batch: int, most: int = 8) -> int:
+    """micro_batch_size none: the largest divisor of `batch` up to `most` (batch 4 -> 4, 12 -> 6, 16 -> 8, 7 -> 7),
+    so a smaller batch never meets a micro-batch that does not divide it."""
+    return max(d for d in range(1, min(batch, most) + 1) if batch % d == 0)
+
+
+def base_type(annotation) -> tuple[type, bool]:
     """(type, optional) for annotations like int, float, str, bool, `float | None`."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -121,7 +127,7 @@ def allowed_values(kind: type, optional: bool, meta: dict) -> str:
 
 
 def _coerce(name: str, value, annotation, meta: dict | None = None):
-    kind, optional = _base_type(annotation)
+    kind, optional = base_type(annotation)
     allowed = allowed_values(kind, optional, meta or {})
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
@@ -193,8 +199,30 @@ class Validated:
         return build_config(cls, {**read_preset(preset, cls.preset_domain), **overrides})
 
 
-def read_preset(preset: str, domain: str) -> dict:
-    """A preset is a YAML file path, or the name of a built-in one under ppoforge/configs/<domain>/."""
+def read_preset(preset: str, domain: str, _seen: tuple = ()) -> dict:
+    """A preset is a YAML file path, or the name of a built-in one under ppoforge/configs/<domain>/. A file may
+    extend another with `preset: NAME` (a built-in name, or a path from the file's own folder): its keys
+    override that preset's."""
+    data = _read_yaml_mapping(preset, domain)
+    base = data.pop("preset", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise UserError(f"preset: {preset}: its preset key is {base!r:.60}; allowed: a preset name or a YAML path")
+    if Path(base).suffix and not Path(base).is_absolute() and Path(preset).suffix:
+        base = str(Path(preset).parent / base)
+    if base in _seen or len(_seen) > 8:
+        raise UserError(f"preset: {' -> '.join([*_seen, preset, base])} extend each other in a circle; allowed: "
+                        "a chain of presets that ends")
+    return {**read_preset(base, domain, (*_seen, preset)), **data}
+
+
+def preset_values(preset: str | None, config: str | None, domain: str) -> dict:
+    """The config values of `--preset` and `--config` (each may extend a preset), the config file's winning."""
+    return {**(read_preset(preset, domain) if preset else {}), **(read_preset(config, domain) if config else {})}
+
+
+def _read_yaml_mapping(preset: str, domain: str) -> dict:
     path = Path(preset)
     if not path.suffix:
         builtin = resources.files("ppoforge") / "configs" / domain / f"{preset}.yaml"
@@ -223,23 +251,6 @@ def read_preset(preset: str, domain: str) -> dict:
 def list_presets(domain: str) -> list[str]:
     folder = resources.files("ppoforge") / "configs" / domain
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One `--field-name` option per field; values stay strings until `build_config` coerces them."""
-    group = parser.add_argument_group(f"{cls.__name__} fields (override preset values)")
-    own = set(cls.__annotations__)
-    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):  # inherited ones last
-        kind, _ = _base_type(typing.get_type_hints(cls)[f.name])
-        extra = f" {{{','.join(map(str, f.metadata['choices']))}}}" if f.metadata["choices"] else ""
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg.{f.name}", default=argparse.SUPPRESS,
-                           metavar=kind.__name__.upper(),
-                           # argparse %-formats help text: a literal % (as in "90% of") must be doubled
-                           help=f"{f.metadata['help']}{extra} (default: {f.default})".replace("%", "%%"))
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict:
-    return {k.removeprefix("cfg."): v for k, v in vars(args).items() if k.startswith("cfg.")}
 
 
 def config_to_dict(cfg) -> dict:

@@ -40,7 +40,7 @@ def _args(model, prompts, run_dir, **overrides):
     values = dict(model=model, prompts=prompts, heldout_prompts="none", max_prompt_tokens=16, max_new_tokens=6,
                   batch_size=4, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2, total_updates=1,
                   learning_rate=1e-2, device="cpu", seed=0, torch_threads=1, progress="false",
-                  tensorboard="false", reward="length:4", max_grad_norm=1e6, dist_timeout=60,
+                  tensorboard="false", reward="length:4", max_grad_norm=1e6, dist_timeout=60, precision="fp32",
                   stop_tokens=",".join(map(str, range(10, 60))))  # ragged responses
     values.update(overrides)
     out = ["train", "rlhf", "--run-dir", str(run_dir)] if run_dir else ["train", "rlhf"]

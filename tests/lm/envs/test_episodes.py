@@ -266,7 +266,7 @@ def test_trainer_plays_episodes_and_logs_their_ends(tiny_lm_dir, tmp_path, advan
         env="guess_number?hi=4", reward="env", max_turns=3, max_new_tokens=4, max_env_tokens=24,
         batch_size=2, num_generations=2, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, total_updates=2,
         advantage=advantage, kl_coef=0.05 if advantage == "gae" else 0.0, learning_rate=1e-3, device="cpu",
-        seed=0, torch_threads=1, progress=False, tensorboard=False))
+        seed=0, torch_threads=1, progress=False, tensorboard=False, precision="fp32"))
     result = train(cfg, tmp_path / "run")
     assert result.updates == 2
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")

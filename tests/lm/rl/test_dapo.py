@@ -38,7 +38,7 @@ def cfg_for(tiny_lm_dir, prompts_file):
                       max_prompt_tokens=16, max_new_tokens=6, batch_size=2, num_generations=4, mini_batch_size=8,
                       micro_batch_size=4, ppo_epochs=1, total_updates=2, learning_rate=1e-2, device="cpu",
                       seed=0, torch_threads=1, progress=False, tensorboard=False, advantage="grpo",
-                      kl_in="loss", kl_estimator="k3", dynamic_sampling=True)
+                      kl_in="loss", kl_estimator="k3", dynamic_sampling=True, precision="fp32")
         return build_config(RLHFConfig, {**values, **overrides})
     return make
 

@@ -76,7 +76,7 @@ def test_the_scoring_peak_stays_flat_when_the_rollout_grows_four_times(wide_mode
         model=str(wide_model), prompts="demo", heldout_prompts="none", max_prompt_tokens=128, max_new_tokens=128,
         batch_size=8, mini_batch_size=8, micro_batch_size=8, ppo_epochs=1, device="cpu", torch_threads=1,
         progress=False, tensorboard=False, kl_coef=0.05, old_logprobs="recompute", attn_implementation="eager",
-        shared_prefix="off"))
+        shared_prefix="off", precision="fp32"))
     trainer = RLHFTrainer(cfg, tmp_path, reward_fn=lambda p, c, **k: [0.0] * len(c))
     small, large, whole = peak_mib(trainer, 16, 8), peak_mib(trainer, 64, 8), peak_mib(trainer, 64, 64)
     print(f"scoring peak: 16 rows {small:.1f} MiB, 64 rows {large:.1f} MiB in chunks of 8, {whole:.1f} MiB in one pass")

@@ -24,7 +24,7 @@ def _config(tiny_lm_dir, prompts_file, **overrides):
                   max_new_tokens=6, batch_size=2, num_generations=4, mini_batch_size=8, micro_batch_size=4,
                   ppo_epochs=1, total_updates=1, learning_rate=1e-2, device="cpu", seed=0, torch_threads=1,
                   progress=False, tensorboard=False, advantage="grpo", kl_coef=0.05, kl_in="loss",
-                  kl_estimator="k3", old_logprobs="recompute")
+                  kl_estimator="k3", old_logprobs="recompute", precision="fp32")
     return build_config(RLHFConfig, {**values, **overrides})
 
 

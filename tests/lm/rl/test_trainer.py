@@ -42,7 +42,7 @@ def cfg_for(tiny_lm_dir, prompts_file):
         values = dict(model=str(tiny_lm_dir), prompts=str(prompts_file), heldout_prompts=None,
                       max_prompt_tokens=16, max_new_tokens=6, batch_size=4, mini_batch_size=4,
                       micro_batch_size=2, ppo_epochs=1, total_updates=2, learning_rate=1e-2, device="cpu",
-                      seed=0, torch_threads=1, progress=False, tensorboard=False)
+                      seed=0, torch_threads=1, progress=False, tensorboard=False, precision="fp32")
         return build_config(RLHFConfig, {**values, **overrides})
     return make
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ppoforge.config import param
+from ppoforge.config import default_micro_batch, param
 from ppoforge.core.accumulation import LOSS_AGGREGATIONS
 from ppoforge.core.critic_free import SCALES
 from ppoforge.core.kl import KL_ESTIMATORS
@@ -86,7 +86,8 @@ class RLHFConfig(FaultConfig):
     # ---- PPO
     batch_size: int = param(16, "prompts per rollout (each sampled num_generations times)", lo=1, hi=1_000_000)
     mini_batch_size: int = param(16, "responses per optimizer step", lo=1, hi=1_000_000)
-    micro_batch_size: int = param(8, "responses per forward/backward (accumulated to a mini-batch)", lo=1, hi=1_000_000)
+    micro_batch_size: int | None = param(None, "responses per forward/backward (accumulated to a mini-batch); none: "
+                                         "the largest divisor of mini_batch_size up to 8", lo=1, hi=1_000_000)
     ppo_epochs: int = param(4, "passes over each rollout", lo=1, hi=10_000)
     learning_rate: float = param(1e-4, "AdamW learning rate (full fine-tuning wants ~1e-6)", gt=0, hi=10.0)
     anneal_lr: bool = param(True, "decay the learning rate linearly to 0 over total_updates")
@@ -176,9 +177,9 @@ class RLHFConfig(FaultConfig):
     # ---- run
     total_updates: int = param(100, "PPO updates (rollout + optimization) to run", lo=1, hi=10**9, resume=True)
     seed: int = param(1, "seed for sampling, data order and initialization", lo=0, hi=2**32 - 1)
-    precision: str = param("fp32", "fp32; bf16 (autocast; CPU or CUDA); fp16 (CUDA, with a GradScaler); auto: bf16 "
-                           "where the device has it natively (GPU >= sm80, CPU with AMX or AVX512-BF16), else fp32",
-                           choices=PRECISION_CHOICES)
+    precision: str = param("auto", "auto: bf16 autocast where the device computes it natively (GPU >= sm80, CPU "
+                           "with AMX or AVX512-BF16), else fp32; fp32; bf16 (autocast; CPU or CUDA); fp16 (CUDA, "
+                           "with a GradScaler)", choices=PRECISION_CHOICES)
     lm_head_fp32: bool = param(False, "under bf16/fp16: the LM head (logits) of policy and reference in fp32, "
                                "in sampling and training alike (no rounding of the logits; SmolLM2: per-token "
                                "log-prob error to fp32 -29%, KL -24%) at the cost of the head's matmuls in fp32 "
@@ -337,6 +338,8 @@ class RLHFConfig(FaultConfig):
         self._check_dapo()
 
     def _check_fsdp(self) -> None:
+        if self.micro_batch_size is None:  # resolved once here: config.yaml and checkpoints hold the number
+            self.micro_batch_size = default_micro_batch(self.mini_batch_size)
         """FSDP2 shards the full layout's models and decodes with the lean decoder on gathered weights."""
         if not self.fsdp:
             return

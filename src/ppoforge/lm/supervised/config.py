@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppoforge.config import param
+from ppoforge.config import default_micro_batch, param
 from ppoforge.errors import UserError
 from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.precision import PRECISION_CHOICES
@@ -35,7 +35,8 @@ class SupervisedConfig(FaultConfig):
                             lo=2, hi=1_000_000)
     strict: bool = param(False, "a row that cannot be used is an error naming its line (else it is counted)")
     batch_size: int = param(16, "examples per optimizer step", lo=1, hi=1_000_000)
-    micro_batch_size: int = param(8, "examples per forward/backward (accumulated to a batch)", lo=1, hi=1_000_000)
+    micro_batch_size: int | None = param(None, "examples per forward/backward (accumulated to a batch); none: the "
+                                         "largest divisor of batch_size up to 8", lo=1, hi=1_000_000)
     epochs: float = param(1.0, "passes over the training data", gt=0, hi=1e6, resume=True)
     learning_rate: float = param(2e-4, "AdamW learning rate (full fine-tuning wants ~1e-5)", gt=0, hi=10.0)
     warmup_ratio: float = param(0.05, "share of the steps with a linear learning-rate warm-up", lo=0.0, hi=1.0)
@@ -67,6 +68,8 @@ class SupervisedConfig(FaultConfig):
         if self.fsdp and self.precision == "fp16":
             raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
                             "all-reduce across ranks); allowed: fp32, bf16, auto")
+        if self.micro_batch_size is None:  # resolved once here: config.yaml and checkpoints hold the number
+            self.micro_batch_size = default_micro_batch(self.batch_size)
 
     def check_data(self) -> None:
         """Training needs `data`; a config may be built without it (the Python API's trainers take the rows as

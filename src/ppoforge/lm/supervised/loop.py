@@ -108,7 +108,7 @@ class SupervisedTrainer:
                                            fused=objective.device.type in ("cpu", "cuda"))
         n = len(objective.train_items)
         self.steps_per_epoch = math.ceil(n / cfg.batch_size)
-        self.total_steps = max(1, round(cfg.epochs * self.steps_per_epoch))
+        self.total_steps = cfg.max_steps or max(1, round(cfg.epochs * self.steps_per_epoch))  # max_steps: TRL's
         self.warmup = round(cfg.warmup_ratio * self.total_steps)
         self.guard = NonFiniteGuard(cfg.nonfinite_patience, cfg.nonfinite_action)
         self.update = 0  # completed updates (optimizer steps)
