@@ -76,6 +76,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, lambda f: f.write(text.encode()))
 
 
+def new_run_dir(root: Path | str, name: str) -> Path:
+    """A run dir not yet used under `root`: root/NAME-YYYYmmdd-HHMMSS (-2, -3... within the same second)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / f"{name}-{stamp}"
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = Path(root) / f"{name}-{stamp}-{suffix}"
+    return path
+
+
 def prepare_new_run_dir(run_dir: Path, overwrite: bool) -> None:
     """Refuse a run dir that holds a started run, unless `overwrite` (then remove what an earlier run
     wrote); what an attempt left before its run started is removed either way. Under torchrun rank 0

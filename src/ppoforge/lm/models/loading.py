@@ -16,6 +16,7 @@ trainer relies on are made here, once:
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -221,3 +222,31 @@ def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, dev
     _zero_dropout_config(config)
     model = _from_pretrained(AutoModelForSequenceClassification, path, config, dtype, attn_implementation)
     return _finish(model, tokenizer, device)
+
+
+def finish_loaded_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32,
+                     device="cpu") -> PreTrainedModel:
+    """An already-loaded causal LM (the Python API's `model=`) made what `load_causal_lm` returns: a copy (the
+    caller's model stays as it is) in `dtype`, dropout off, in eval mode, its embeddings sized for `tokenizer`."""
+    if not isinstance(model, PreTrainedModel) or type(model.config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError(f"model: a {type(model).__name__} is not a causal LM; allowed: a transformers model "
+                        "AutoModelForCausalLM loads (e.g. llama, qwen2, gpt2; not a PeftModel), or its path or hub id")
+    model = copy.deepcopy(model).to(dtype)
+    _zero_dropout_config(model.config)
+    model = _finish(model, tokenizer, device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase,
+                      model: PreTrainedModel | None = None) -> PreTrainedTokenizerBase:
+    """An already-loaded tokenizer (the Python API's `tokenizer=`) made what `load_tokenizer` returns: a copy with
+    left padding and a pad token distinct from EOS and `model`'s generation-config eos ids."""
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise UserError(f"tokenizer: a {type(tokenizer).__name__} is not a transformers tokenizer; allowed: one "
+                        "AutoTokenizer loads, or a tokenizer folder or hub id")
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.padding_side = "left"
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    _ensure_distinct_pad(tokenizer, ({tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None})
+    return tokenizer

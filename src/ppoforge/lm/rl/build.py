@@ -29,7 +29,13 @@ from ppoforge.lm.data.prompts import (
 )
 from ppoforge.lm.models.attention import EAGER_MAX_TOKENS
 from ppoforge.lm.models.layouts import Layout, build_full, build_lora
-from ppoforge.lm.models.loading import load_causal_lm, load_reward_model, load_tokenizer
+from ppoforge.lm.models.loading import (
+    finish_loaded_lm,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    prepare_tokenizer,
+)
 from ppoforge.lm.models.parts import cast_linears, head_in_fp32
 from ppoforge.lm.models.windows import check_window
 from ppoforge.lm.rl.config import RLHFConfig
@@ -164,15 +170,17 @@ def fsdp_precision(cfg: RLHFConfig, device: torch.device) -> str | None:
     return resolve_precision(cfg.precision, device) if cfg.fsdp and distributed.world().size > 1 else None
 
 
-def _load_lm(cfg: RLHFConfig, dtype: torch.dtype, device: torch.device, **kw):
-    """The policy's model (or its frozen base, or the reference), its LM head in fp32 with `lm_head_fp32`."""
-    model = load_causal_lm(cfg.model, dtype, device, **kw)
+def _load_lm(cfg: RLHFConfig, dtype: torch.dtype, device: torch.device, loaded=None, **kw):
+    """The policy's model (or its frozen base, or the reference), its LM head in fp32 with `lm_head_fp32`: from
+    `cfg.model`, or a copy of `loaded` (the Python API's already-loaded model; it keeps its own attention)."""
+    model = (load_causal_lm(cfg.model, dtype, device, **kw) if loaded is None else
+             finish_loaded_lm(loaded, kw["tokenizer"], dtype, device))
     return head_in_fp32(model) if cfg.lm_head_fp32 else model
 
 
-def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) -> Layout:
+def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None, loaded=None) -> Layout:
     kw = {"tokenizer": tokenizer, "attn_implementation": attn}
-    load = functools.partial(_load_lm, cfg, device=device, **kw)
+    load = functools.partial(_load_lm, cfg, device=device, loaded=loaded, **kw)
     if cfg.layout in ("lora", "lora-critic"):
         base = load(frozen_dtype)
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.layout == "lora-critic",
@@ -196,16 +204,19 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None) 
     return layout
 
 
-def build_inputs(cfg: RLHFConfig, reward_fn=None) -> RunInputs:
-    """The run's inputs: device, precision, tokenizer, layout, stop tokens, prompts, reward."""
+def build_inputs(cfg: RLHFConfig, reward_fn=None, model=None, tokenizer=None) -> RunInputs:
+    """The run's inputs: device, precision, tokenizer, layout, stop tokens, prompts, reward. `model` and
+    `tokenizer` (the Python API's, already loaded) replace loading `cfg.model` and its tokenizer; copies are
+    trained, the caller's objects are left as they are."""
     device = resolve_device(cfg.device)
     # sharded, FSDP casts the weights itself (MixedPrecisionPolicy) in place of autocast
     precision = make_precision("fp32" if fsdp_precision(cfg, device) else cfg.precision, device)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
-                               field="tokenizer" if cfg.tokenizer else "model")
+    field = "tokenizer" if cfg.tokenizer else "model"
+    tokenizer = (prepare_tokenizer(tokenizer, model) if tokenizer is not None else
+                 load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model, field=field))
     attn = attention_for(cfg.attn_implementation, device, cfg.max_prompt_tokens + cfg.episode_tokens)
     frozen_dtype = precision.dtype or torch.float32  # weights that never train: the reference, reward models
-    layout = _layout(cfg, tokenizer, device, frozen_dtype, attn)
+    layout = _layout(cfg, tokenizer, device, frozen_dtype, attn, model)
     check_sequence_fits(cfg, layout.policy_model.config)
     check_sequence_window(cfg, layout.policy_model.config)  # the policy, and the reference: the same model
     stops = stop_token_ids(tokenizer, layout.policy_model, cfg.stop_tokens)

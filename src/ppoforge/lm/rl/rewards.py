@@ -268,12 +268,16 @@ def build_reward(spec: str, weights: str | None = None, device="cpu", policy_tok
     under `call_timeout` seconds. `model_kwargs` (dtype, attn_implementation) go to the reward models'
     loader."""
     items = split_spec(spec)
-    if weights is None:
-        ws = [1.0] * len(items)
-    else:
-        ws = [_number("weights", w.strip(), float) for w in weights.split(",")]
-        if len(ws) != len(items):
-            raise UserError(f"reward weights: {len(ws)} weights for {len(items)} rewards "
-                            f"({', '.join(items)}); allowed: one weight per reward, comma-separated")
     return WeightedSum([(item, _build_one(item, device, policy_tokenizer, model_kwargs, call_timeout), w)
-                        for item, w in zip(items, ws, strict=True)])
+                        for item, w in zip(items, parse_weights(weights, items), strict=True)])
+
+
+def parse_weights(weights: str | None, names: list[str]) -> list[float]:
+    """`reward_weights` ("1,0.5"): one weight per reward named in `names`; None: all 1."""
+    if weights is None:
+        return [1.0] * len(names)
+    ws = [_number("weights", w.strip(), float) for w in weights.split(",")]
+    if len(ws) != len(names):
+        raise UserError(f"reward weights: {len(ws)} weights for {len(names)} rewards "
+                        f"({', '.join(names)}); allowed: one weight per reward, comma-separated")
+    return ws

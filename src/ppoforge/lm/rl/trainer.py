@@ -79,7 +79,7 @@ class TrainResult:
 class RLHFTrainer:
     """Holds the run's state; `run()` trains until total_updates or a stop signal."""
 
-    def __init__(self, cfg: RLHFConfig, run_dir: Path, reward_fn=None):
+    def __init__(self, cfg: RLHFConfig, run_dir: Path, reward_fn=None, model=None, tokenizer=None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
@@ -90,7 +90,7 @@ class RLHFTrainer:
         self.my_prompts = distributed.shard(cfg.batch_size, "batch_size")
         g = cfg.num_generations
         self.my_rows = slice(self.my_prompts.start * g, self.my_prompts.stop * g)
-        self.inputs: RunInputs = build_inputs(cfg, reward_fn)
+        self.inputs: RunInputs = build_inputs(cfg, reward_fn, model, tokenizer)  # model: the API's, loaded
         self.layout, self.tokenizer, self.precision = self.inputs.layout, self.inputs.tokenizer, self.inputs.precision
         self.params = [p for _, p in self.layout.named_trainable()]
         # FSDP2 (`fsdp` under torchrun): the trained weights are shards and FSDP reduces their gradients;
