@@ -258,7 +258,8 @@ def build_parser(handlers: dict) -> argparse.ArgumentParser:
         _add_train_parser(train_sub, domain, handlers[f"train_{domain}"])
 
     demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline "
-                          "(--task arithmetic: GRPO teaches it one-digit sums)", domain="rlhf")
+                          "(--task arithmetic: GRPO teaches it one-digit sums)", domain="rlhf",
+                          usage="%(prog)s [--task NAME] [--OPTION VALUE ...]")
     demo.add_argument("--task", choices=("sentiment", "arithmetic"), default="sentiment",
                       help="sentiment (default): PPO + VADER, preset demo; arithmetic: GRPO on reasoning-gym "
                       "chain_sum, held-out accuracy before -> after, preset arithmetic_demo (needs ppoforge[tasks])")
