@@ -414,7 +414,7 @@ def test_fsdp_two_ranks_equal_one_plain_rank(tiny_lm_dir, prompts_file, tmp_path
     for key, value in _strip(m1)[0].items():
         assert m2[0][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     # the export gathers the shards: rank 0 writes the whole policy
-    p1, p2 = load_file(one / "policy" / "model.safetensors"), load_file(two / "policy" / "model.safetensors")
+    p1, p2 = load_file(one / "model" / "model.safetensors"), load_file(two / "model" / "model.safetensors")
     _assert_same_params(p1, p2, atol=1e-5)
     assert p2.keys() == p1.keys() and all(p2[k].shape == p1[k].shape for k in p1)
 

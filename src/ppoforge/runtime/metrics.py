@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ppoforge.config import save_config
 from ppoforge.runtime import trust
+from ppoforge.runtime.rundir import atomic_write_text
 
 
 def _plain(value):
@@ -95,6 +96,25 @@ def open_run_dir(run_dir: Path, cfg, note: str, step: int, logs: tuple[str, ...]
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def first_and_last(metrics_path: Path, key: str) -> tuple[float, float] | None:
+    """(first, last) logged value of `key` (e.g. `eval/scores`: held-out before and after), None if fewer
+    than two were logged."""
+    values = [r[key] for r in read_metrics(metrics_path) if isinstance(r.get(key), (int, float))]
+    return (values[0], values[-1]) if len(values) > 1 else None
+
+
+def write_summary(run_dir: Path, trainer: str, steps: int, unit: str, stopped_by: str | None,
+                  export: Path | None, metrics: dict, **extra) -> dict:
+    """summary.json, one schema for every trainer (docs/metrics.md): `trainer`, `steps` counted in `unit`
+    (update, step), `stopped_by` (a signal, or None), `export` (the exported model's folder, None when the
+    run stopped before the end), `extra` (a trainer's own counts), then the last logged metrics. Returns it."""
+    summary = {"trainer": trainer, "steps": steps, "unit": unit, "stopped_by": stopped_by,
+               "export": None if export is None else str(export), **extra,
+               **{k: _plain(v) for k, v in metrics.items()}}
+    atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=1) + "\n")
+    return summary
 
 
 def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str = "") -> Path | None:

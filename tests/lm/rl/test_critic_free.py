@@ -85,7 +85,7 @@ def test_critic_free_estimators_train_without_a_critic(cfg_for, tmp_path, overri
     assert ("objective/kl" in rows[0]) == (trainer.cfg.kl_coef > 0)
     if trainer.cfg.kl_target:
         assert rows[1]["objective/kl_coef"] != rows[0]["objective/kl_coef"]
-    assert (tmp_path / "policy" / "config.json").is_file()
+    assert (tmp_path / "model" / ("config.json" if trainer.cfg.layout == "full" else "adapter_config.json")).is_file()
 
 
 @pytest.mark.parametrize("layout", ["lora", "full"])

@@ -24,9 +24,9 @@ def test_demo_runs_end_to_end_on_smollm2(smollm2_cache, monkeypatch, tmp_path, c
     assert "held-out mean VADER score" in out and "KL to the reference" in out and "before" in out
     for name in ("checkpoint.pt", "config.yaml", "metrics.jsonl", "completions.jsonl", "reward_kl.png"):
         assert (run / name).is_file(), name
-    # The export is a plain transformers checkpoint (LoRA merged) that loads and generates.
-    tok = load_tokenizer(str(run / "policy"))
-    model = load_causal_lm(str(run / "policy"), tokenizer=tok)
+    # The export is the LoRA adapter (PEFT format, `export: adapter`); the loaders take it as base + adapter merged.
+    tok = load_tokenizer(str(run / "model"))
+    model = load_causal_lm(str(run / "model"), tokenizer=tok)
     batch = tok(["Hello"], return_tensors="pt")
     out_ids = model.generate(**batch, max_new_tokens=3, do_sample=False)
     assert out_ids.shape[1] == batch.input_ids.shape[1] + 3

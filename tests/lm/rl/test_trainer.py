@@ -9,11 +9,11 @@ import signal
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM
 
 import ppoforge.lm.models.logprobs as logprobs_module
 from ppoforge.cli import main
 from ppoforge.config import build_config
+from ppoforge.lm.models.loading import load_causal_lm
 from ppoforge.lm.models.parts import head_size
 from ppoforge.lm.models.rows import padded
 from ppoforge.lm.rl import build
@@ -90,8 +90,15 @@ def test_layouts_train_change_trainables_only_and_export(cfg_for, tmp_path, over
     assert len(table) == 8 and {"step", "prompt", "completion", "score"} <= set(table[0])
     assert (tmp_path / "reward_kl.png").is_file() and list((tmp_path / "tb").iterdir())
 
-    # the exported policy (LoRA merged) computes the trainer's policy logits
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
+    # the export (`export: adapter`: the LoRA adapter alone in PEFT format; full: the model) loaded as a model
+    # computes the trainer's policy logits
+    files = {f.name for f in (tmp_path / "model").iterdir()}
+    assert ("adapter_model.safetensors" in files) == (cfg.layout != "full") != ("model.safetensors" in files)
+    exported = load_causal_lm(str(tmp_path / "model"), tokenizer=trainer.tokenizer)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["trainer"] == "rlhf" and summary["steps"] == 2 and summary["unit"] == "update"
+    assert summary["export"] == str(tmp_path / "model") and summary["stopped_by"] is None
+    assert summary["objective/scores"] == pytest.approx(rows[-1]["objective/scores"])
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     mask = torch.ones(1, 6)
     with torch.no_grad():
@@ -356,7 +363,9 @@ def test_resume_after_sigterm_matches_uninterrupted_run(cfg_for, tmp_path, where
         trainer.kl_ctl.update = lambda *a: (len(calls) == 2 and os.kill(os.getpid(), signal.SIGTERM), update_kl(*a))
     stopped = trainer.run()
     assert stopped.stopped_by == "SIGTERM" and stopped.updates == (1 if where == "reward" else 2)
-    assert not (tmp_path / "split" / "policy").exists()  # no export for an unfinished run
+    assert not (tmp_path / "split" / "model").exists()  # no export for an unfinished run
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["export"] is None
     resumed = train(cfg, tmp_path / "split", resume=True, reward_fn=word_reward)
     assert resumed.updates == 4
 
@@ -387,7 +396,7 @@ def test_cli_trains_and_resumes(tiny_lm_dir, prompts_file, tmp_path, capsys):
     code, err = _cli(capsys, "--preset", "tiny", "--total-updates", "2", "--run-dir", str(run), *common)
     assert code == 0, err
     assert "2 of 8 training prompts are also held-out prompts: left out of training (heldout_disjoint)" in err
-    assert (run / "policy" / "config.json").is_file()
+    assert (run / "model" / "adapter_config.json").is_file()
     metrics = read_metrics(run / "metrics.jsonl")
     # held-out before training, after update 1 (heldout_every) and at the end
     assert [r["step"] for r in metrics if "eval/scores" in r] == [0, 1, 2]
@@ -562,10 +571,9 @@ def test_the_lora_decoder_reads_the_models_own_frozen_weights(cfg_for, tmp_path,
 
 
 def test_a_lora_run_whose_decoder_shares_the_base_exports_and_resumes(cfg_for, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM as Auto
-
     from ppoforge.lm.models import prepared
 
     monkeypatch.setattr(prepared, "packs", lambda dtype, device: False)  # the GPU path: the model reads the stacks
     result = train(cfg_for(total_updates=2, checkpoint_every=1), tmp_path)
-    assert result.updates == 2 and Auto.from_pretrained(tmp_path / "policy") is not None
+    assert result.updates == 2 and result.export == tmp_path / "model"
+    assert load_causal_lm(str(result.export)) is not None

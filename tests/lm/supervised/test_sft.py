@@ -56,8 +56,12 @@ def test_sft_learns_and_exports_a_policy_rlhf_takes(tmp_path, tiny_lm_dir, sft_f
     assert evals[-1] < evals[0] * (0.8 if layout == "full" else 0.95), evals  # held-out loss fell
     assert result["stopped_by"] is None and (tmp_path / "run" / "samples.jsonl").is_file()
     export = tmp_path / "run" / "model"
-    assert (export / "config.json").is_file() and (export / "tokenizer_config.json").is_file()
-    # the export is a plain model: train rlhf --model takes it
+    weights = "config.json" if layout == "full" else "adapter_config.json"  # lora: the adapter (`export: adapter`)
+    assert (export / weights).is_file() and (export / "tokenizer_config.json").is_file()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["trainer"] == "sft" and summary["unit"] == "step" and summary["export"] == str(export)
+    assert summary["steps"] == result["steps"] and summary["eval/loss"] == pytest.approx(evals[-1])
+    # train rlhf --model takes the export (an adapter: its base with the adapter merged)
     code = main(["train", "rlhf", "--model", str(export), "--prompts", "demo", "--heldout-prompts", "none",
                  "--reward", "length:3", "--batch-size", "2", "--mini-batch-size", "2", "--micro-batch-size", "2",
                  "--max-new-tokens", "3", "--total-updates", "1", "--progress", "false", "--tensorboard", "false",
@@ -168,6 +172,16 @@ def test_reward_model_trains_with_lora_or_full_and_the_margin(tmp_path, tiny_rew
     assert changed and (layout == "full" or all("lora_" in n or "modules_to_save" in n for n in changed))
     if layout == "lora":
         assert any("score" in n for n in changed)  # the score head trains too
+    # the export (lora: the adapter and its score head, PEFT format) scores as the trained model does
+    from ppoforge.lm.models.loading import load_reward_model
+
+    trainer.objective.export(tmp_path / "model")
+    assert (tmp_path / "model" / ("adapter_config.json" if layout == "lora" else "config.json")).is_file()
+    exported = load_reward_model(str(tmp_path / "model"), tokenizer=trainer.objective.tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, trainer.objective.model(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def _target_logprobs_alone(objective, items):

@@ -1,6 +1,7 @@
 """Loading tokenizers, causal LMs and scalar reward models, for every trainer (RLHF, SFT, reward models).
 
-Every loader accepts the same `name_or_path`: a local checkpoint directory, a hub id, or the built-in
+Every loader accepts the same `name_or_path`: a local checkpoint directory (a PEFT adapter's folder too: its
+base with the adapter merged), a hub id, or the built-in
 name `smollm2-135m-instruct` (an offline cached checkpoint, see `smollm2.py`). Two guarantees the
 trainer relies on are made here, once:
 
@@ -17,11 +18,14 @@ trainer relies on are made here, once:
 from __future__ import annotations
 
 import copy
+import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
 import transformers
+from peft import PeftModel
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -68,12 +72,27 @@ def resolve_model(name_or_path: str, field: str = "model") -> str:
         return str(find_file(MINILM_WHEEL, "model/config.json", field).parent)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise UserError(f"{field}: no config.json in {path}; allowed: {ALLOWED_MODELS}")
         return str(path)
     if path.exists() or name_or_path.startswith(("~", ".")) or not _HUB_ID.match(name_or_path):
         raise UserError(f"{field}: no model at {name_or_path}; allowed: {ALLOWED_MODELS}")
     return name_or_path
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model a PEFT adapter folder (adapter_config.json, no config.json: a LoRA run's `export:
+    adapter`) names, resolved; None for any other path. The loaders below take such a folder as the model
+    it makes: the base with the adapter merged."""
+    folder = Path(path)
+    if not (folder / "adapter_config.json").is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"model: cannot read the base model of the adapter in {folder} ({_first_line(e)}); "
+                        "allowed: an adapter_config.json with base_model_name_or_path") from None
+    return resolve_model(base, "model (the adapter's base_model_name_or_path)")
 
 
 def has_tokenizer_files(name_or_path: str) -> bool:
@@ -85,6 +104,7 @@ def has_tokenizer_files(name_or_path: str) -> bool:
 def _stop_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> set[int]:
     """EOS plus the generation config's eos ids (e.g. Qwen2.5-Instruct stops on <|endoftext|> too)."""
     stops = {tokenizer.eos_token_id} - {None}
+    path = adapter_base(path) or path  # an adapter: its base's generation config
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except (OSError, ValueError):  # no (readable) generation_config.json: EOS is the only stop token
@@ -129,7 +149,7 @@ def model_config(name_or_path: str, field: str = "model") -> PretrainedConfig:
 
 def _load_config(path: str) -> PretrainedConfig:
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(adapter_base(path) or path)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"model: cannot read a model config from {path} ({_first_line(e)})") from None
 
@@ -160,10 +180,19 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device) 
 
 
 def _from_pretrained(auto_cls, path: str, config: PretrainedConfig, dtype: torch.dtype,
-                     attn_implementation: str | None = None) -> PreTrainedModel:
+                     tokenizer: PreTrainedTokenizerBase, attn_implementation: str | None = None) -> PreTrainedModel:
+    """The weights at `path`; an adapter folder's base with the adapter merged (in fp32, then `dtype`)."""
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    base = adapter_base(path)
     try:
-        return auto_cls.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+        if base is None:
+            return auto_cls.from_pretrained(path, config=config, dtype=dtype, **kwargs)
+        model = auto_cls.from_pretrained(base, config=config, dtype=torch.float32, **kwargs)
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # as it trained (PEFT saved the rows)
+            model.resize_token_embeddings(len(tokenizer))
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            return PeftModel.from_pretrained(model, path).merge_and_unload().to(dtype)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"model: cannot load weights from {path} ({_first_line(e)})") from None
 
@@ -191,8 +220,8 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device
                                        "not a causal LM; allowed: a checkpoint AutoModelForCausalLM can load "
                                        "(e.g. llama, qwen2, gpt2)")
     _zero_dropout_config(config)
-    model = _finish(_from_pretrained(AutoModelForCausalLM, path, config, dtype, attn_implementation), tokenizer,
-                    device)
+    model = _from_pretrained(AutoModelForCausalLM, path, config, dtype, tokenizer, attn_implementation)
+    model = _finish(model, tokenizer, device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
@@ -220,7 +249,8 @@ def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, dev
                         "allowed: 1 (a scalar reward)")
     config.num_labels = 1
     _zero_dropout_config(config)
-    model = _from_pretrained(AutoModelForSequenceClassification, path, config, dtype, attn_implementation)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, config, dtype, tokenizer,
+                             attn_implementation)
     return _finish(model, tokenizer, device)
 
 

@@ -93,9 +93,16 @@ def yielding(context, value):
 
 
 # ---- export ------------------------------------------------------------------------------------------
+EXPORT_DIR = "model"  # RUN/model: every trainer's export (RLHF runs before issue 39 wrote RUN/policy)
 EXPORT_KINDS = ("adapter", "merged", "both")
-EXPORT_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 MERGED_DIR = "merged"  # `both`: the merged model's folder inside the adapter's
+
+
+def export_dtype(name: str, precision: str) -> torch.dtype:
+    """The `export_dtype` field as a dtype: auto is the training precision's (bf16 in a bf16 run, else fp32)."""
+    if name == "auto":
+        name = "bf16" if precision == "bf16" else "fp32"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 def export(model: nn.Module, path: Path, kind: str = "adapter", dtype: torch.dtype | None = None,

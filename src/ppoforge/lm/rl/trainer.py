@@ -46,6 +46,7 @@ from ppoforge.core.dapo import finished_mask, overlong_penalty
 from ppoforge.core.kl import AdaptiveKLController, FixedKLController
 from ppoforge.core.stats import masked
 from ppoforge.errors import UserError
+from ppoforge.lm.models.parts import EXPORT_DIR, export_dtype
 from ppoforge.lm.models.rows import RowPlan, attention_cost
 from ppoforge.lm.rl.build import RunInputs, build_inputs
 from ppoforge.lm.rl.collect import Batch, collector_for
@@ -58,7 +59,7 @@ from ppoforge.lm.rl.update import PPOUpdate
 from ppoforge.runtime import distributed, rundir, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import MetricsLogger, open_run_dir, plot_curves
+from ppoforge.runtime.metrics import MetricsLogger, first_and_last, open_run_dir, plot_curves, write_summary
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import CollapseGuard, NonFiniteGuard, RunGuard, train_loop
 
@@ -74,6 +75,8 @@ class TrainResult:
     episodes: int
     last_metrics: dict          # the metrics of the last update run in this call ({} if none)
     stopped_by: str | None      # a signal name when interrupted
+    export: Path | None = None  # the exported model's folder (None: stopped before the end)
+    heldout: tuple[float, float] | None = None  # the held-out mean score before the first and after the last update
 
 
 class RLHFTrainer:
@@ -316,12 +319,11 @@ class RLHFTrainer:
         try:
             stopped = train_loop(self, self.run_guard, self.cfg.total_updates, self.cfg.checkpoint_every,
                                  self.after_update)
-            if self.update == self.cfg.total_updates and not stopped:
-                self.finish()
+            export = self.finish() if self.update == self.cfg.total_updates and not stopped else None
         finally:
             self.close_run()
         self.plot()
-        return TrainResult(self.run_dir, self.update, self.update * self.cfg.rollout_size, self.last, stopped)
+        return self.summarize(stopped, export)
 
     def open_run(self) -> None:
         """Before this process's first update: the run dir's config and logs (`open_run_dir`), the data report,
@@ -354,14 +356,25 @@ class RLHFTrainer:
             self._log_heldout(self.logger)  # the last update's evaluation comes after the loop
         self.progress.advance(1, score=metrics["objective/scores"], kl=metrics.get("objective/kl"))
 
-    def finish(self) -> None:
-        """After the last update: the held-out evaluation, then the tuned policy exported to RUN/policy."""
-        main = self.world.is_main
+    def finish(self) -> Path:
+        """After the last update: the held-out evaluation, then the tuned policy exported to RUN/model (`export`:
+        the LoRA adapter, merged, or both; `export_dtype`). Returns the export's folder."""
+        cfg, export = self.cfg, self.run_dir / EXPORT_DIR
         self._log_heldout(self.logger)
-        if main or self.sharded:  # sharded, every rank takes part in gathering the weights
-            self.layout.export(self.run_dir / "policy")
-        if main:
-            self.tokenizer.save_pretrained(self.run_dir / "policy")
+        if self.world.is_main or self.sharded:  # sharded, every rank takes part in gathering the weights
+            self.layout.export(export, cfg.export, export_dtype(cfg.export_dtype, self.precision.name), self.tokenizer)
+        return export
+
+    def summarize(self, stopped: str | None, export: Path | None) -> TrainResult:
+        """The run's result; rank 0 writes it to summary.json (`write_summary`, docs/metrics.md) with the
+        held-out score before and after training read back from metrics.jsonl (a resumed run's too)."""
+        result = TrainResult(self.run_dir, self.update, self.update * self.cfg.rollout_size, self.last, stopped, export)
+        if self.world.is_main:
+            result.heldout = first_and_last(self.run_dir / "metrics.jsonl", "eval/scores")
+            before, after = result.heldout or (None, None)
+            write_summary(self.run_dir, "rlhf", self.update, "update", stopped, export, self.last,
+                          episodes=result.episodes, heldout_before=before, heldout_after=after)
+        return result
 
     def close_run(self) -> None:
         self.progress.close()

@@ -18,7 +18,7 @@ class SupervisedConfig(FaultConfig):
 
     model: str = param("smollm2-135m-instruct", "model: a checkpoint dir, a hub id or a built-in name")
     tokenizer: str | None = param(None, "tokenizer folder or hub id (none: the model's own)")
-    layout: str = param("lora", "lora: train LoRA adapters on a frozen base (merged on export); full: every "
+    layout: str = param("lora", "lora: train LoRA adapters on a frozen base (see export); full: every "
                         "weight", choices=("lora", "full"))
     fsdp: bool = param(False, "full layout under torchrun: shard the model over the ranks with FSDP2 (each rank "
                        "keeps 1/world of the weights and optimizer state); checkpoints through "
@@ -26,6 +26,12 @@ class SupervisedConfig(FaultConfig):
     lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
     lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
+    export: str = param("adapter", "what RUN/model holds at the end: adapter (LoRA: the adapter alone in PEFT format, "
+                        "as TRL saves), merged (base + adapter as one model), both (the merged model in "
+                        "RUN/model/merged); the full layout saves the whole model",
+                        choices=("adapter", "merged", "both"), resume=True)
+    export_dtype: str = param("auto", "dtype of a merged or full export: auto (the training precision: bf16 in a bf16 "
+                              "run, else fp32), fp32, bf16", choices=("auto", "fp32", "bf16"), resume=True)
     data: str = param("", "training data: a .jsonl/.json/.csv/.parquet file or a datasets name", data=True)
     data_split: str = param("train", "split of a datasets name or folder")
     eval_data: str | None = param(None, "held-out data (same format); none: eval_fraction of data", resume=True)

@@ -34,17 +34,17 @@ import torch
 from ppoforge.config import config_to_dict
 from ppoforge.core.accumulation import token_share
 from ppoforge.lm.models.loading import load_tokenizer
+from ppoforge.lm.models.parts import EXPORT_DIR, export_dtype
 from ppoforge.lm.supervised.config import SupervisedConfig
 from ppoforge.lm.supervised.examples import read_rows
 from ppoforge.runtime import distributed, runstate
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import open_run_dir
+from ppoforge.runtime.metrics import open_run_dir, write_summary
 from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.precision import make_precision, resolve_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
-from ppoforge.runtime.rundir import atomic_write_text
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
@@ -266,15 +266,15 @@ class SupervisedTrainer:
                 if cfg.nonfinite_action == "rollback":
                     self.run_guard.save()
             stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
-            if self.update == self.total_steps and not stopped and (main or self.sharded):
-                self.objective.export(self.run_dir / "model")  # sharded, every rank takes part in gathering
+            export = self.run_dir / EXPORT_DIR if self.update == self.total_steps and not stopped else None
+            if export and (main or self.sharded):  # sharded, every rank takes part in gathering
+                self.objective.export(export, cfg.export, export_dtype(cfg.export_dtype, self.precision.name))
         finally:
             progress.close()
             logger.close()
         if main:
-            atomic_write_text(self.run_dir / "summary.json",
-                              json.dumps({"steps": self.update, "stopped_by": stopped, **last}, indent=1) + "\n")
-        return {"steps": self.update, "stopped_by": stopped, **last}
+            write_summary(self.run_dir, self.objective.name, self.update, "step", stopped, export, last)
+        return {"steps": self.update, "stopped_by": stopped, "export": export, **last}
 
 
 def prepare(cfg: SupervisedConfig):
