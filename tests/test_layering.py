@@ -9,7 +9,7 @@ Layers, bottom to top (docs/architecture.md draws them):
     control, lm.data, lm.models
     lm.envs, lm.supervised
     lm.rl
-    doctor, pipeline, notebook
+    doctor, pipeline, notebook, api   api: the Python trainers (ppoforge.X, lazily)
     cli_args                the command line's parsers
     cli
     config_reference        docs/configuration.md and docs/cli.md, generated from the parsers and configs
@@ -35,7 +35,7 @@ LAYERS = [
     {"control", "lm.data", "lm.models"},
     {"lm.envs", "lm.supervised"},
     {"lm.rl"},
-    {"doctor", "pipeline", "notebook"},
+    {"doctor", "pipeline", "notebook", "api"},
     {"cli_args"},
     {"cli"},
     {"config_reference"},

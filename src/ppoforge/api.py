@@ -181,14 +181,15 @@ class RLHFTrainer(rl.RLHFTrainer):
             while not got and run_update(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every,
                                          after_update, stop):
                 pass
-        if self.update == cfg.total_updates:
+        if self.update == cfg.total_updates:  # the end of the CLI's run: held-out scores, export, curves, summary
             try:
-                self.finish()
+                export = self.finish()
             finally:
                 self.close_run()
                 self.logger = None
                 self.hold.close()
             self.plot()
+            self.summarize(None, export)
         return {k: float(v) for k, v in got[-1].items()} if got else {}
 
     def _check_left(self) -> None:
