@@ -65,7 +65,8 @@ def test_header_only_csv_has_no_rows(tmp_path):
 def test_non_string_or_empty_prompt(tmp_path, bad):
     rows = [{"prompt": "fine"}, {"prompt": bad}]
     source = write(tmp_path / "p.jsonl", rows, "jsonl")
-    with pytest.raises(UserError, match=r"p\.jsonl line 2 field 'prompt' is .*; allowed: a non-empty string$"):
+    with pytest.raises(UserError, match=r"p\.jsonl line 2 field 'prompt' is .*; allowed: a non-empty string, or a list "
+                       r"of \{\"role\", \"content\"\} messages$"):
         load_prompts(source)  # the file's line, as every other message about a row says (it was "row 1")
     (tmp_path / "q.jsonl").write_text("\n" + json.dumps({"prompt": bad}) + "\n")  # a blank line, then the bad row
     with pytest.raises(UserError, match=r"q\.jsonl line 2 field 'prompt' is "):

@@ -1,7 +1,9 @@
 """Prompt sets for RLHF: a local data file, a `datasets` hub name, or the built-in demo prompts.
 
 Local files, dataset folders and hub names are read by `files.py` (one-line errors naming the file
-and line). A prompt row is a plain dict with at least the prompt field as a non-empty string; the
+and line). A prompt row is a plain dict with at least the prompt field: a non-empty string, or TRL's
+conversational form, a list of `{"role", "content"}` messages, which the tokenizer's chat template renders
+with the assistant's turn opened (`render_prompt`); reward functions get the prompt as it is in the row. The
 trainer passes the row's other columns to reward functions as keyword lists, so extra columns (a
 reference answer, a label) are how a prompt set carries what its reward needs.
 
@@ -16,6 +18,7 @@ held-out set by default: `split_heldout` draws a few of its rows, the same ones 
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from importlib import resources
@@ -61,9 +64,27 @@ def _check_rows(rows: list[dict], columns: list[str], field: str, where: str, li
         raise UserError(f"prompts: {where} has no field {field!r}; fields present: {', '.join(columns)}")
     for line, row in zip(lines or range(1, len(rows) + 1), rows, strict=True):
         value = row.get(field)
-        if not isinstance(value, str) or not value.strip():
+        if isinstance(value, list):
+            problem = _message_problem(value)
+            if problem:
+                raise UserError(f"prompts: {where} line {line} field {field!r}: {problem}; allowed: a list of "
+                                '{"role": str, "content": str} messages (TRL\'s conversational prompts)')
+        elif not isinstance(value, str) or not value.strip():
             raise UserError(f"prompts: {where} line {line} field {field!r} is {value!r:.60}; "
-                            "allowed: a non-empty string")
+                            "allowed: a non-empty string, or a list of {\"role\", \"content\"} messages")
+
+
+def _message_problem(messages: list) -> str | None:
+    """What is wrong with a conversational prompt (None: nothing)."""
+    if not messages:
+        return "the list of messages is empty"
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict):
+            return f"message {i} is {m!r:.60}, not a mapping"
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str) or (key == "role" and not m[key]):
+                return f"message {i} has {key} {m.get(key)!r:.60}, not a string"
+    return None
 
 
 def load_prompts(source: str, field: str = "prompt", split: str = "train",
@@ -93,8 +114,8 @@ def load_prompts(source: str, field: str = "prompt", split: str = "train",
 def without(rows: list[dict], held: list[dict], field: str) -> list[dict]:
     """`rows` less every row whose `field` text is also one of `held`'s: training prompts disjoint from the
     held-out ones (`heldout_disjoint`). Refused in one line when nothing would be left."""
-    seen = {r[field] for r in held}
-    kept = [r for r in rows if r[field] not in seen]
+    seen = {_key(r[field]) for r in held}
+    kept = [r for r in rows if _key(r[field]) not in seen]
     if not kept:
         raise UserError(f"prompts: all {len(rows)} training prompts are also held-out prompts (heldout_disjoint); "
                         "allowed: a held-out set of other prompts, or heldout_disjoint false")
@@ -102,6 +123,11 @@ def without(rows: list[dict], held: list[dict], field: str) -> list[dict]:
         print(f"ppoforge: prompts: {len(rows) - len(kept)} of {len(rows)} training prompts are also held-out "
               "prompts: left out of training (heldout_disjoint)", file=sys.stderr)
     return kept
+
+
+def _key(prompt: str | list) -> str:
+    """A prompt as something a set holds: its text, or a conversation as canonical JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 def split_heldout(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict], list[int]]:
@@ -116,13 +142,24 @@ def split_heldout(rows: list[dict], fraction: float) -> tuple[list[dict], list[d
     return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in index], index
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool = True) -> str:
-    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's reply.
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list, use_chat_template: bool = True) -> str:
+    """`prompt` as the tokenizer's chat template renders it, ready for the assistant's reply: a text as one user
+    turn, a list of messages (TRL's conversational prompts) as that conversation.
 
-    A tokenizer without a chat template (a base model) gets the text unchanged. The template string
-    includes its special tokens, so tokenize the result with `add_special_tokens=False`.
+    A tokenizer without a chat template (a base model) gets a text unchanged and refuses a conversation in one
+    line. The template string includes its special tokens, so tokenize the result with `add_special_tokens=False`.
     """
-    if not use_chat_template or not tokenizer.chat_template:
-        return text
-    messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if isinstance(prompt, str):
+        if not use_chat_template or not tokenizer.chat_template:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    elif not tokenizer.chat_template or not use_chat_template:
+        why = "its tokenizer has no chat template" if use_chat_template else "use_chat_template is false"
+        raise UserError(f"prompts: a conversational prompt (a list of messages) needs the model's chat template, "
+                        f"and {why}; allowed: plain-text prompts, or a tokenizer with a chat template "
+                        "(use_chat_template true)")
+    try:
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (a template's raise_exception) and its kin
+        raise UserError(f"prompts: the chat template refused a conversation ({str(e)[:120]}); allowed: the roles "
+                        "and order its template accepts") from None

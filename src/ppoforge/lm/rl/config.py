@@ -56,7 +56,8 @@ class RLHFConfig(FaultConfig):
     # ---- data and reward
     prompts: str = param("demo", "prompt set: a .jsonl/.json/.csv/.parquet file, a datasets name, demo, or "
                          "task:NAME?KEY=VALUE&... (a reasoning-gym task, with --reward task)", data=True)
-    prompt_field: str = param("prompt", "field of each row that holds the prompt text")
+    prompt_field: str = param("prompt", "field of each row that holds the prompt: a text, or a list of {role, "
+                              "content} messages (TRL's conversational prompts, rendered by the chat template)")
     heldout_prompts: str | None = param("auto", "prompts scored before and after training (eval/ metrics): a "
                                         "prompt set as for prompts; auto: demo-heldout with the demo prompts, "
                                         "else a held-out split of the prompts (heldout_fraction); none to skip",

@@ -412,7 +412,10 @@ def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
     return None if x is None else masked(x, mask)
 
 
-def _cell(text: str) -> str:
+def _cell(text: str | list) -> str:
+    """A completions-table cell; a conversational prompt (a list of messages) as `role: content` turns."""
+    if not isinstance(text, str):
+        text = " ".join(f"{m['role']}: {m['content']}" for m in text)
     return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
