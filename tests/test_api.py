@@ -81,10 +81,14 @@ def test_a_config_coerces_checks_across_fields_and_reads_presets():
     assert ControlConfig.from_preset("cartpole").num_envs == 4 and SFTConfig.from_preset("tiny").lora_r == 8
 
 
-def test_sft_data_is_required_where_training_starts_not_in_the_config(tmp_path):
+def test_sft_data_is_required_where_training_starts_and_its_model_is_a_path(tmp_path):
     assert SFTConfig().data == ""  # train_dataset may come later
     with pytest.raises(UserError, match="^data: required; allowed:"):
         SFTTrainer(model="any", args=SFTConfig(), output_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="^model: SFTTrainer takes a path, hub id or built-in name"):
+        SFTTrainer(model=torch.nn.Linear(2, 2), train_dataset=[{"prompt": "a", "completion": "b"}],
+                   output_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ppoforge.control import trainer as control
 from ppoforge.control.config import ControlConfig
+from ppoforge.control.evaluate import evaluate
 from ppoforge.errors import UserError
 from ppoforge.lm.models import memplan
 from ppoforge.lm.rl import trainer as rl
@@ -217,6 +218,9 @@ class _Supervised:
     def __init__(self, model=None, train_dataset=None, args=None, *, eval_dataset=None, tokenizer=None,
                  output_dir: str | Path | None = None, overwrite: bool = False):
         args = args if args is not None else self.config()
+        if model is not None and not isinstance(model, (str, Path)):
+            raise UserError(f"model: {type(self).__name__} takes a path, hub id or built-in name; allowed: a "
+                            f"folder (an already-loaded model: its save_pretrained folder)")
         fields = {"model": str(model)} if model is not None else {}
         if tokenizer is not None:
             fields["tokenizer"] = str(tokenizer)
@@ -272,3 +276,8 @@ class ControlTrainer:
             return control.train(self.cfg, self.hold.path)
         finally:
             self.hold.close()
+
+    def evaluate(self, episodes: int = 10) -> dict[str, list[float]]:
+        """`ppoforge eval RUN`: the saved checkpoint's returns over `episodes` episodes, greedy ("deterministic")
+        and sampled actions."""
+        return evaluate(self.hold.path, episodes)
