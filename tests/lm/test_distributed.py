@@ -455,7 +455,7 @@ def _sharded_name(name: str) -> str:
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(layout="lora", fsdp="true"), "fsdp: shards the full layout's models; layout lora trains adapters"),
-    (dict(layout="full", fsdp="true", decoder="hf"), "decoder: hf with fsdp would run a collective per decoded"),
+    (dict(layout="full", fsdp="true", rollout_engine="hf"), "rollout_engine: hf with fsdp would run a collective per"),
 ])
 def test_fsdp_config_errors_are_one_line(tiny_lm_dir, prompts_file, tmp_path, capsys, overrides, message):
     assert main(_args(tiny_lm_dir, prompts_file, tmp_path / "r", **overrides)) == 2

@@ -85,3 +85,19 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cl
 
 
 POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
+def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Rollout correction (truncated importance sampling, Yao et al. 2025 "Your efficient RL framework
+    secretly brings you off-policy RL training"; TRL's vllm_importance_sampling_correction, verl's
+    rollout_is): the tokens were drawn by an engine whose log-probs `behaviour_logp` differ from the
+    training forward's `old_logp`; each token's policy loss is weighted by w_t = min(exp(old_logp_t -
+    behaviour_logp_t), cap), detached, 0 on padding. (B, T)."""
+    w = torch.exp(old_logp - behaviour_logp).clamp(max=cap).detach()
+    return w if mask is None else w * mask
+
+
+def weighted_reduce(reduce, weights: torch.Tensor):
+    """`reduce` (a loss aggregation, `core/accumulation.py`) of per-token losses weighted by `weights` (B, T)."""
+    return lambda x, mask: reduce(x * weights, mask)

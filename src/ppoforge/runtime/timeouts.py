@@ -49,14 +49,15 @@ def _interruptible_region():
         _interruptible.depth -= 1
 
 
-def call_with_timeout(fn, seconds: float | None, what: str):
-    """`fn()`, or CallTimeout naming `what` once it has run `seconds`; StopRequested on SIGINT/SIGTERM."""
+def call_with_timeout(fn, seconds: float | None, what: str, knob: str = "call_timeout"):
+    """`fn()`, or CallTimeout naming `what` once it has run `seconds`; StopRequested on SIGINT/SIGTERM.
+    `knob`: the config field that sets the limit, named in the error."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         return fn()
 
     def expire(signum, frame):
-        raise CallTimeout(f"{what} did not return within {seconds:g} s (call_timeout); allowed: a faster "
-                          "function, or a larger --call-timeout")
+        raise CallTimeout(f"{what} did not return within {seconds:g} s ({knob}); allowed: a faster "
+                          f"function, or a larger --{knob.replace('_', '-')}")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

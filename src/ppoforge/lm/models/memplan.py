@@ -277,7 +277,7 @@ def rlhf_workload(cfg, device: str, world: int = 1) -> Workload:
                     resp_tokens=cfg.episode_tokens, world=world, gradient_checkpointing=cfg.gradient_checkpointing,
                     eager_attention=eager, reference=cfg.kl_coef > 0, critic_model=bool(cfg.critic_model),
                     reward_model=not cfg.reward.startswith(("py:", "task", "vader", "length", "format"))
-                    and "/" in cfg.reward, lean_decoder=cfg.decoder != "hf", packed=device == "cpu")
+                    and "/" in cfg.reward, lean_decoder=cfg.rollout_engine != "hf", packed=device == "cpu")
 
 
 def supervised_workload(cfg, device: str, world: int = 1, pairs: bool = False) -> Workload:

@@ -184,7 +184,7 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None, 
     if cfg.layout in ("lora", "lora-critic"):
         base = load(frozen_dtype)
         return build_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.layout == "lora-critic",
-                          cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
+                          cfg.gradient_checkpointing, cfg.layout_decoder, cfg.has_critic)
     policy = load(torch.float32)
     sharded = fsdp_precision(cfg, device)
     # the reference as the fp32 policy computes under autocast: Linear weights in its dtype, the rest fp32;
@@ -198,7 +198,7 @@ def _layout(cfg: RLHFConfig, tokenizer, device, frozen_dtype, attn: str | None, 
     critic = load_reward_model(cfg.critic_model, torch.float32, device, **kw) if cfg.critic_model else None
     if critic is not None:  # it reads the policy's rows
         check_sequence_window(cfg, critic.config, "critic_model")
-    layout = build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.decoder, cfg.has_critic)
+    layout = build_full(policy, reference, critic, cfg.gradient_checkpointing, cfg.layout_decoder, cfg.has_critic)
     if sharded:
         layout.shard(sharded)
     return layout

@@ -23,11 +23,13 @@ from ppoforge.lm.envs.chat import ChatRenderer, prefix_preserving
 from ppoforge.lm.envs.episodes import Budgets, episode_metrics, run_episodes
 from ppoforge.lm.envs.loading import load_env
 from ppoforge.lm.models.attention import left_pad
-from ppoforge.lm.models.sampler import Samples, SamplingParams, concat_samples, draw_uniforms, sample
+from ppoforge.lm.models.engines import LocalEngine, RolloutEngine
+from ppoforge.lm.models.loading import resolve_model
+from ppoforge.lm.models.sampler import Samples, SamplingParams, concat_samples, draw_uniforms
+from ppoforge.lm.models.vllm_engine import VLLMEngine, vllm_version
 from ppoforge.lm.rl.build import RunInputs
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.runtime import distributed
-from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.timeouts import call_with_timeout
 
 
@@ -104,23 +106,43 @@ def collector_for(cfg: RLHFConfig, inputs: RunInputs) -> Collector:
     return MultiTurn(cfg, inputs) if cfg.env else SingleTurn(cfg, inputs)
 
 
+def engine_for(cfg: RLHFConfig, inputs: RunInputs, gen_batch: int) -> RolloutEngine:
+    """The run's rollout engine, chosen once (`rollout_engine`): auto is vllm on CUDA where vLLM is installed
+    (docs/benchmarks.md measured it no faster than the lean decoder on a CPU), else the layout's decoder."""
+    name = cfg.rollout_engine
+    if name == "auto":
+        name = "vllm" if inputs.device.type == "cuda" and vllm_version() and not cfg.fsdp else cfg.layout_decoder
+    if name != "vllm":
+        return LocalEngine(inputs.layout, inputs.precision, gen_batch, name)
+    dtype = inputs.precision.dtype or torch.float32
+    turns = cfg.episode_tokens if cfg.env else cfg.max_new_tokens
+    return VLLMEngine(resolve_model(cfg.model), inputs.layout, inputs.device, dtype, gen_batch,
+                      cfg.max_prompt_tokens + turns, cfg.seed, cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
+                      cfg.rollout_timeout, cfg.sync_timeout)
+
+
 def _sampling(cfg: RLHFConfig, inputs: RunInputs) -> SamplingParams:
     return SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, inputs.stop_ids,
                           inputs.tokenizer.pad_token_id)
 
 
 class SingleTurn:
-    """Each prompt row sampled once per response; the reward function scores the decoded completions."""
+    """Each prompt row sampled once per response (by the run's rollout engine); the reward function scores
+    the decoded completions."""
 
     def __init__(self, cfg: RLHFConfig, inputs: RunInputs):
         self.cfg, self.inputs, self.layout, self.precision = cfg, inputs, inputs.layout, inputs.precision
         self.sampling = _sampling(cfg, inputs)
         # the most rows sampled at once: a rollout, or a held-out batch (its prompts' samples); halved on
         # out-of-memory
-        self.gen_batch = max(cfg.rollout_size, cfg.batch_size * cfg.heldout_samples)
+        self.engine = engine_for(cfg, inputs, max(cfg.rollout_size, cfg.batch_size * cfg.heldout_samples))
         # a prompt's rows come in a row (G completions, held-out samples): prefilled once (shared_prefix off:
         # once per row, as TRL does)
         self.share_prefill = cfg.shared_prefix == "auto"
+
+    @property
+    def gen_batch(self) -> int:
+        return self.engine.gen_batch
 
     def seeds(self, n: int, generator: torch.Generator) -> list[int]:
         return [0] * n  # no environment: nothing drawn
@@ -132,14 +154,7 @@ class SingleTurn:
         prompt mask, samples). The rows are columns `cols` of a global batch of `n_global` (default: these)."""
         prompt_ids, prompt_mask = left_pad(token_rows, self.sampling.pad_id, self.inputs.device)
         uniforms = draw_uniforms(self.sampling, n_global or prompt_ids.shape[0], generator)[:, cols]
-        # entered once, retries inside: sharded, entering gathers the policy (a collective)
-        with self.layout.decoder() as decoder, self.precision.autocast():
-            parts, self.gen_batch = retry_halving(
-                lambda n: [sample(decoder, prompt_ids[s:s + n], prompt_mask[s:s + n], self.sampling,
-                                  uniforms=uniforms[:, s:s + n], share_prefill=self.share_prefill)
-                           for s in range(0, prompt_ids.shape[0], n)],
-                self.gen_batch, "generation batch")
-        samples = concat_samples(parts, self.sampling.pad_id)
+        samples = self.engine.generate(prompt_ids, prompt_mask, self.sampling, uniforms, self.share_prefill)
         return torch.cat([prompt_ids, samples.response_ids], 1), prompt_mask, samples
 
     def collect(self, rows: list[dict], prompt_ids: list[list[int]], seeds: list[int], generator: torch.Generator,

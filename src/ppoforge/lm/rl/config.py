@@ -92,7 +92,8 @@ class RLHFConfig(FaultConfig):
     stop_tokens: str | None = param(None, "extra stop tokens besides EOS: comma-separated ids or tokens")
     # ---- PPO
     batch_size: int = param(16, "prompts per rollout (each sampled num_generations times)", lo=1, hi=1_000_000)
-    mini_batch_size: int = param(16, "responses per optimizer step", lo=1, hi=1_000_000)
+    mini_batch_size: int | None = param(None, "responses per optimizer step; none: the whole rollout (batch_size x "
+                                        "num_generations: one step per epoch)", lo=1, hi=1_000_000)
     micro_batch_size: int | None = param(None, "responses per forward/backward (accumulated to a mini-batch); none: "
                                          "the largest divisor of mini_batch_size up to 8", lo=1, hi=1_000_000)
     ppo_epochs: int = param(4, "passes over each rollout", lo=1, hi=10_000)
@@ -195,9 +196,25 @@ class RLHFConfig(FaultConfig):
     torch_threads: int | None = param(None, "torch intra-op threads (none: torch's default)",
                                       lo=1, hi=4096, resume=True)
     gradient_checkpointing: bool = param(False, "recompute activations in backward to save memory", resume=True)
-    decoder: str = param("auto", "sampling loop: lean (our Llama/Qwen2 decode step, ~2x faster); hf (the "
-                         "model's own forward, any model); auto: lean where it applies",
-                         choices=("auto", "lean", "hf"), resume=True)
+    rollout_engine: str = param("auto", "what samples the rollouts: lean (our Llama/Qwen2 decode step); hf (the "
+                                "model's own forward, any model); vllm (an in-process vLLM engine, weights synced "
+                                "after each update: docs/rlhf.md, Rollout engines); auto: vllm on CUDA where it is "
+                                "installed, else lean where it applies, else hf",
+                                choices=("auto", "lean", "hf", "vllm"), resume=True)
+    rollout_timeout: float | None = param(1800.0, "vllm: seconds the engine's start and each generation may take "
+                                          "before the run is checkpointed and stopped (none: no limit)",
+                                          lo=1e-3, hi=1e7, resume=True)
+    sync_timeout: float | None = param(600.0, "vllm: seconds each weight sync into the engine may take (none: no "
+                                       "limit)", lo=1e-3, hi=1e7, resume=True)
+    vllm_gpu_memory_utilization: float = param(0.3, "vllm on CUDA: the share of GPU memory the engine may take "
+                                               "(weights + KV cache); training uses the rest", lo=0.01, hi=0.99,
+                                               resume=True)
+    vllm_sleep: bool = param(True, "vllm on CUDA: the engine sleeps between rollouts (level 1 with LoRA, 2 with "
+                             "full weights), freeing its KV cache for training", resume=True)
+    vllm_is_correction: bool = param(False, "vllm: weight each token's policy loss by the truncated importance "
+                                     "ratio min(exp(old_logp - vllm_logp), vllm_is_cap) (TRL's / verl's "
+                                     "rollout correction); off: the recomputed old log-probs alone")
+    vllm_is_cap: float = param(2.0, "vllm_is_correction's cap C", lo=1.0, hi=1e6)
     attn_implementation: str = param("auto", "attention of the training/scoring forwards: auto (on CPU eager, "
                                      "faster there at RLHF lengths, and sdpa where max_prompt_tokens + the "
                                      "completion budget > 512, as eager's memory grows with its square; the "
@@ -323,6 +340,10 @@ class RLHFConfig(FaultConfig):
 
     def finalize(self) -> None:
         check_device_name(self.device)
+        if self.mini_batch_size is None:  # resolved once here, as micro_batch_size: config.yaml holds the numbers
+            self.mini_batch_size = self.rollout_size
+        if self.micro_batch_size is None:
+            self.micro_batch_size = default_micro_batch(self.mini_batch_size)
         tokens = self.rollout_size * (self.max_prompt_tokens + self.episode_tokens)
         if tokens > MAX_ROLLOUT_TOKENS:
             raise UserError(f"batch_size: {self.batch_size} x num_generations {self.num_generations} x "
@@ -344,9 +365,12 @@ class RLHFConfig(FaultConfig):
         self._check_estimator()
         self._check_dapo()
 
+    @property
+    def layout_decoder(self) -> str:
+        """The layout's own decoder (the local engines', and the lean reference pass's): lean, hf or auto."""
+        return self.rollout_engine if self.rollout_engine in ("lean", "hf") else "auto"
+
     def _check_fsdp(self) -> None:
-        if self.micro_batch_size is None:  # resolved once here: config.yaml and checkpoints hold the number
-            self.micro_batch_size = default_micro_batch(self.mini_batch_size)
         """FSDP2 shards the full layout's models and decodes with the lean decoder on gathered weights."""
         if not self.fsdp:
             return
@@ -356,9 +380,10 @@ class RLHFConfig(FaultConfig):
         if self.precision == "fp16":
             raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
                             "all-reduce across ranks); allowed: fp32, bf16, auto")
-        if self.decoder == "hf":
-            raise UserError("decoder: hf with fsdp would run a collective per decoded token, and rows that end at "
-                            "different steps on different ranks would hang it; allowed: auto or lean (fsdp "
+        if self.rollout_engine in ("hf", "vllm"):
+            why = ("would run a collective per decoded token, and rows that end at different steps on different "
+                   "ranks would hang it" if self.rollout_engine == "hf" else "is not built for sharded weights yet")
+            raise UserError(f"rollout_engine: {self.rollout_engine} with fsdp {why}; allowed: auto or lean (fsdp "
                             "gathers the policy whole for the lean decoder)")
 
     def _check_dapo(self) -> None:

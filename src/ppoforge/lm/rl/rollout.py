@@ -30,6 +30,8 @@ class Rollout:
     #                                (None: a critic-free estimator)
     scores: torch.Tensor     # (B,) reward-function scores
     turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward on its last policy token
+    behaviour_logp: torch.Tensor | None = None  # (B, T) an inexact engine's (vLLM's) log-probs of its tokens,
+    #                                             beside the recomputed `logp`; None with the local engines
     adv: torch.Tensor | None = None  # (B, T) advantages: whitened GAE, or the critic-free estimator's
     ret: torch.Tensor | None = None  # (B, T) returns = GAE advantages + values (GAE only)
 

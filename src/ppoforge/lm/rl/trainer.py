@@ -56,7 +56,7 @@ from ppoforge.lm.rl.heldout import Heldout
 from ppoforge.lm.rl.passes import RolloutPasses
 from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
 from ppoforge.lm.rl.update import PPOUpdate
-from ppoforge.runtime import distributed, rundir, runstate
+from ppoforge.runtime import distributed, rundir, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, first_and_last, open_run_dir, plot_curves, write_summary
@@ -106,13 +106,16 @@ class RLHFTrainer:
         distributed.reseed(cfg.seed)
         # fused: one kernel for all tensors (~6x faster than the default on CPU for LoRA's many small ones)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
+        # every optimizer step (whichever code path runs it) makes an engine's own copy of the weights stale
+        self.optimizer.register_step_post_hook(lambda *_: self.engine.weights_changed())
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
                        else FixedKLController(cfg.kl_coef))
         # the rows every forward over a rollout runs: a prompt's completions as shared-prefix units, or padded
         self.plan = RowPlan(cfg.prefix_sizes(self.world.size, self.sharded),
                             attention_cost(self.layout.policy_model.config))
-        self.passes = self._passes(self.plan)
         self.collector = collector_for(cfg, self.inputs)  # single-turn sampling, or episodes with an env
+        self.engine = self.collector.engine  # what samples: the layout's decoder, or vLLM (synced weights)
+        self.passes = self._passes(self.plan)
         self.rounds = rounds_for(cfg, self.tokenizer.pad_token_id, self.world.size)  # one, or dynamic sampling
         self.heldout = Heldout(cfg, self.inputs, self.collector)
         self.gen = torch.Generator(self.inputs.device).manual_seed(cfg.seed)
@@ -125,7 +128,7 @@ class RLHFTrainer:
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
         self.sharded_module = self.layout.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
-        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train rlhf --resume {self.run_dir}",
+        self.run_guard = RunGuard(self, self.checkpoint, trust.resume_command("rlhf", self.run_dir, cfg),
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
         self.ppo = PPOUpdate(cfg, self.layout, self.precision, self.params, self.guard, self.gen, self.my_rows,
@@ -134,11 +137,13 @@ class RLHFTrainer:
     def _passes(self, plan: RowPlan) -> RolloutPasses:
         """The rollout's no-grad passes; with `cfg.on_policy` (one optimizer step per rollout) the update's
         own forward gives the old log-probs, so no policy pass."""
-        cfg = self.cfg
+        cfg, exact = self.cfg, self.engine.exact
         where = f"{self.inputs.device.type} / {self.precision.name} / {self.policy_attention()} attention"
-        return RolloutPasses(self.layout, cfg.old_logprobs, cfg.temperature, cfg.micro_batch_size, where,
-                             critic=cfg.has_critic, reference=cfg.kl_coef > 0, policy=not cfg.on_policy,
-                             rows_for=plan.rows, unit=lambda: plan.k)
+        # an engine that is never exact (vLLM): the old log-probs always from the training forward, which
+        # also measures the engine's gap (rollout/logprob_mismatch_*) and feeds vllm_is_correction
+        return RolloutPasses(self.layout, cfg.old_logprobs if exact else "recompute", cfg.temperature,
+                             cfg.micro_batch_size, where, critic=cfg.has_critic, reference=cfg.kl_coef > 0,
+                             policy=not cfg.on_policy or not exact, rows_for=plan.rows, unit=lambda: plan.k)
 
     # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:
@@ -172,6 +177,7 @@ class RLHFTrainer:
         distributed.reseed(self.cfg.seed + 1_000_003 * self.update)
         self.gen.set_state(state["generator"])  # the shared generator resumes on every rank
         self.cursor = state["cursor"]
+        self.engine.weights_changed()
 
     def rollback(self) -> None:
         runstate.rollback(self, [self.run_dir / "metrics.jsonl", self.run_dir / "completions.jsonl"])
@@ -232,7 +238,8 @@ class RLHFTrainer:
                         "perf/samples_per_s": n / elapsed,
                         "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed,
-                        "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows)})
+                        "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows),
+                        "perf/weight_sync_s": self.engine.take_sync_seconds(), **engine_gap(b)})
         table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
                                          zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
         self.check_collapse(metrics)  # 6. a degenerating policy is named and stopped, not trained on
@@ -288,8 +295,9 @@ class RLHFTrainer:
             logp, values, ref_logp = self.passes(batch.ids, mask, samples)
         self.layout.release()  # sharded: the LM heads these no-grad passes left gathered
         m = samples.response_mask
+        behaviour = None if self.engine.exact else _masked(samples.logp, m)
         return Rollout(batch.ids, mask, samples.response_ids, m, _masked(logp, m), _masked(ref_logp, m),
-                       _masked(values, m), scores, batch.turn_rewards)
+                       _masked(values, m), scores, batch.turn_rewards, behaviour)
 
     def flat_rollout(self, b: Rollout) -> bool:
         """`skip_flat_rollouts`: is there nothing to learn from this rollout? Every advantage 0, over all ranks,
@@ -379,6 +387,7 @@ class RLHFTrainer:
     def close_run(self) -> None:
         self.progress.close()
         self.logger.close()
+        self.engine.close()
 
     def plot(self) -> None:
         """reward_kl.png from metrics.jsonl (rank 0)."""
@@ -406,6 +415,17 @@ class RLHFTrainer:
         lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['score']:.3f} |"
                   for r in table[:TABLE_ROWS]]
         logger.log_text(self.update, f"completions/{split}", "\n".join(lines))
+
+
+def engine_gap(b: Rollout) -> dict[str, float]:
+    """rollout/logprob_mismatch_mean and _max: |engine log-prob - training forward's| over the policy's tokens
+    (all ranks), where an inexact engine (vLLM) sampled; none with the local engines."""
+    if b.behaviour_logp is None:
+        return {}
+    gap = (b.behaviour_logp - b.logp).abs() * b.resp_mask
+    total = distributed.all_sum(torch.stack([gap.sum(), b.resp_mask.sum()]))
+    return {"rollout/logprob_mismatch_mean": float(total[0] / total[1].clamp(min=1)),
+            "rollout/logprob_mismatch_max": float(distributed.all_max(gap.max()))}
 
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:

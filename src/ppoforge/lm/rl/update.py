@@ -19,7 +19,7 @@ import torch
 from ppoforge.core.accumulation import loss_aggregation, token_share, unit_share
 from ppoforge.core.kl import kl_penalty
 from ppoforge.core.losses import value_loss
-from ppoforge.core.policy_losses import POLICY_LOSSES
+from ppoforge.core.policy_losses import POLICY_LOSSES, truncated_is_weights, weighted_reduce
 from ppoforge.core.stats import masked_mean
 from ppoforge.lm.models.layouts import Layout
 from ppoforge.lm.models.logprobs import head_logprobs
@@ -129,7 +129,11 @@ class PPOUpdate:
         with self.precision.full_precision():
             logp, entropy = head_logprobs(self._logits, hidden, b.resp[micro], self.vocab, cfg.temperature)
             old_logp, adv = (logp.detach() if cfg.on_policy else b.logp[micro]), b.adv[micro]
-            pg_loss, pg = self.policy_loss(logp, old_logp, adv, cfg.clip, m, cfg.clip_high, reduce)
+            pg_reduce = reduce
+            if cfg.vllm_is_correction and b.behaviour_logp is not None:  # rollout correction (TIS)
+                pg_reduce = weighted_reduce(reduce, truncated_is_weights(b.logp[micro], b.behaviour_logp[micro],
+                                                                         cfg.vllm_is_cap, m))
+            pg_loss, pg = self.policy_loss(logp, old_logp, adv, cfg.clip, m, cfg.clip_high, pg_reduce)
             ent = masked_mean(entropy, m)
             loss, stats = pg_loss, {"loss/policy_avg": pg_loss.detach(), "policy/entropy_avg": ent.detach(),
                                     "policy/approxkl_avg": pg["approx_kl"], "policy/clipfrac_avg": pg["clipfrac"],

