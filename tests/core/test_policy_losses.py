@@ -8,7 +8,15 @@ import torch
 
 from ppoforge.core.accumulation import loss_aggregation
 from ppoforge.core.losses import clip_stats, policy_loss
-from ppoforge.core.policy_losses import POLICY_LOSSES, cispo_loss, gspo_loss, ppo_loss, sequence_log_ratio
+from ppoforge.core.policy_losses import (
+    POLICY_LOSSES,
+    cispo_loss,
+    gspo_loss,
+    ppo_loss,
+    sequence_log_ratio,
+    truncated_is_weights,
+    weighted_reduce,
+)
 
 STAT_KEYS = {"approx_kl", "clipfrac", "ratio", "low", "high", "region"}
 
@@ -145,3 +153,28 @@ def test_on_policy_all_three_give_the_same_gradient(agg):
     torch.testing.assert_close(grads["gspo"], grads["ppo"])
     torch.testing.assert_close(grads["cispo"], grads["ppo"])
     assert not math.isclose(float(grads["ppo"].abs().sum()), 0)
+
+
+def test_truncated_is_weights_by_hand():
+    """w_t = min(exp(old_logp_t - behaviour_logp_t), C), detached, 0 on padding: ln 3 - ln 1 = ratio 3 capped at
+    C 2; ratio 0.5 kept; equal log-probs 1."""
+    old = torch.tensor([[math.log(0.3), math.log(0.2), math.log(0.5)]])
+    behaviour = torch.tensor([[math.log(0.1), math.log(0.4), math.log(0.5)]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w = truncated_is_weights(old.requires_grad_(), behaviour, cap=2.0, mask=mask)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 0.0]]))
+    assert not w.requires_grad
+
+
+def test_the_corrected_ppo_loss_is_each_tokens_surrogate_times_its_weight_by_hand():
+    """TRL's vllm_importance_sampling_correction: per-token loss x w before aggregation. At ratio 1 PPO's
+    per-token loss is -A_t, so token_mean gives -(sum_t w_t A_t m_t) / sum_t m_t: (-(2 x 1) - (0.5 x -2)) / 2."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w = torch.tensor([[2.0, 0.5, 0.0]])
+    reduce = loss_aggregation("token_mean", 3).reduce
+    loss, _ = ppo_loss(logp, logp.detach(), adv, 0.2, mask, reduce=weighted_reduce(reduce, w))
+    assert loss.item() == pytest.approx((-(2.0 * 1.0) - (0.5 * -2.0)) / 2)
+    loss.backward()  # d/dlogp of -w A r at r = 1: -w A on real tokens
+    assert torch.allclose(logp.grad, torch.tensor([[-2.0 * 1.0 / 2, -0.5 * -2.0 / 2, 0.0]]))
