@@ -2,9 +2,11 @@
 
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 
+import ppoforge
 from ppoforge.cli import main
 
 FAST = ["--num-envs", "2", "--num-steps", "16", "--total-steps", "64", "--progress", "false",
@@ -18,6 +20,13 @@ def test_help_shows_every_field_with_doc_and_default(capsys):
     out = capsys.readouterr().out
     assert "--total-steps INT" in out and "environment steps to train for" in out and "(default: 500000)" in out
     assert "--target-kl FLOAT" in out and "--precision STR" in out
+
+
+def test_version_prints_ppoforge_and_torch_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"ppoforge {ppoforge.__version__} (torch {metadata.version('torch')})\n"
 
 
 @pytest.mark.parametrize("domain", ["control", "rlhf", "sft", "reward"])

@@ -63,6 +63,9 @@ def imported_modules(node: ast.AST, known: set[str]) -> list[str]:
     ppoforge.lm.models.smollm2)."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name.startswith("ppoforge")]
+    names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+    if isinstance(node, ast.ImportFrom) and (node.module, names) == ("ppoforge", ["__version__"]):
+        return []  # the version string: the root package's one plain value, read from any layer
     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ppoforge"):
         subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
         return subs or [node.module]

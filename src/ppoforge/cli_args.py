@@ -18,7 +18,9 @@ import dataclasses
 import difflib
 import sys
 import typing
+from importlib import metadata
 
+from ppoforge import __version__
 from ppoforge.config import base_type, list_presets, preset_values
 from ppoforge.control.config import ControlConfig
 from ppoforge.doctor.report import CAPABILITY_KEYS, DEFAULT_REQUIRE
@@ -251,6 +253,8 @@ def _add_plan_parser(sub, handler) -> None:
 def build_parser(handlers: dict) -> argparse.ArgumentParser:
     """The whole command line; `handlers` maps each command's name (train_rlhf, demo, plan, ...) to its function."""
     parser = Parser(prog="ppoforge", description="PPO that runs: control and RLHF, on CPU or CUDA.")
+    parser.add_argument("--version", action="version", help="print ppoforge's version and torch's, and exit",
+                        version=f"ppoforge {__version__} (torch {metadata.version('torch')})")  # torch unimported
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train = sub.add_parser("train", help="train a policy")
     train_sub = train.add_subparsers(dest="domain", required=True, parser_class=Parser)
