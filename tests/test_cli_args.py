@@ -109,6 +109,10 @@ def test_the_default_micro_batch_divides_the_batch():
     assert sft.micro_batch_size == 4  # it was 8: "micro_batch_size: 8 does not divide batch_size 4"
     assert build_config(RewardConfig, {"data": "x.jsonl", "batch_size": 12}).micro_batch_size == 6
     assert build_config(RLHFConfig, {"batch_size": 4, "mini_batch_size": 4}).micro_batch_size == 4
+    rlhf = build_config(RLHFConfig, {"batch_size": 4})  # it was "mini_batch_size: 16 does not divide batch_size 4"
+    assert (rlhf.mini_batch_size, rlhf.micro_batch_size) == (4, 4)
+    grpo = build_config(RLHFConfig, {"batch_size": 3, "num_generations": 4, "advantage": "grpo"})
+    assert (grpo.mini_batch_size, grpo.micro_batch_size) == (12, 6)  # the whole rollout, one step per epoch
     assert build_config(SFTConfig, {"data": "x.jsonl", "batch_size": 4, "micro_batch_size": 2}).micro_batch_size == 2
 
 

@@ -56,8 +56,11 @@ def configuration() -> str:
            "`--print-config` prints the result as YAML and exits; `--config` reads that back. Every option may also "
            "be spelled with underscores (`--learning_rate`); [cli.md](cli.md) lists TRL's names that are accepted.",
            "", "`micro_batch_size` none (the default) is the largest divisor of the batch (`batch_size` for SFT and "
-           "reward models, `mini_batch_size` for RLHF) up to 8. `precision` auto is bf16 autocast where the device "
-           "computes bf16 natively (CUDA >= sm80, CPUs with AMX or AVX-512-BF16) and fp32 elsewhere.", ""]
+           "reward models, `mini_batch_size` for RLHF) up to 8; RLHF's `mini_batch_size` none is the whole rollout "
+           "(`batch_size` x `num_generations`). Both are resolved when the config is built: `--print-config` and a "
+           "run's config.yaml show the numbers. `precision` auto (the LM trainers' default) is bf16 autocast where "
+           "the device computes bf16 natively (CUDA >= sm80, CPUs with AMX or AVX-512-BF16) and fp32 elsewhere; "
+           "control PPO keeps fp32 (its MLPs are tiny, and its fast CPU path, hand_gradients, is fp32).", ""]
     for domain in ("rlhf", "sft", "reward", "control"):
         out += [f"## {TITLES[domain]}", "", f"Presets: {', '.join(list_presets(domain))} "
                 f"(`src/ppoforge/configs/{domain}/`).", ""]
