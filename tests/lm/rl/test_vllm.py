@@ -22,6 +22,7 @@ from ppoforge.lm.rl.trainer import RLHFTrainer
 
 if os.environ.get("PPOFORGE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test-vllm` runs these tests")
+pytestmark = pytest.mark.vllm
 
 PROMPTS = ["tell a story about the rain", "write one sentence about coffee", "describe the city at night",
            "a review of a good movie", "tell me about your friend", "the weather today is"]
