@@ -214,3 +214,37 @@ def test_the_checkpoint_of_a_vllm_run_resumes_with_the_lean_engine(capsys, model
     assert main(_cli_args(model_dir, prompts_file, run, "--total-updates", "1")) == 0
     assert main(["train", "rlhf", "--resume", str(run), "--total-updates", "2", "--rollout-engine", "lean"]) == 0
     assert torch.load(Path(run) / "checkpoint.pt", weights_only=True)["update"] == 2
+
+
+def test_multi_turn_episodes_through_vllm_equal_the_lean_decoders_greedily(cfg_for, tmp_path):
+    """Item 6: each turn continues from the policy's own token ids plus the environment's rendered tokens.
+    Greedy (top_k 1) on a deterministic environment (guess_number, the same seeds), fp32: vLLM's episodes and
+    the lean decoder's KV-cache episodes are the same tokens, action masks, turn rewards and ends."""
+    import json
+
+    from ppoforge.lm.envs.episodes import run_episodes
+
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text("".join(json.dumps({"prompt": "guess", "secret": s}) + "\n" for s in (1, 2, 3, 4)))
+    cfg = cfg_for(prompts=str(rows_file), env="guess_number?hi=4", reward="env", max_turns=3, max_new_tokens=4,
+                  max_env_tokens=24, max_prompt_tokens=64, top_k=1, mini_batch_size=4)
+    trainer = RLHFTrainer(cfg, tmp_path / "run")
+    collector = trainer.collector
+    rows = [trainer.inputs.prompt_rows[i] for i in (0, 0, 1, 1)]
+    seeds = [11, 11, 12, 12]
+    gen = torch.Generator().manual_seed(0)
+    batch = collector.collect(rows, [[0]] * 4, seeds, gen, 4, slice(None))
+    ours = batch.samples
+    uniforms = torch.rand(cfg.max_turns * cfg.max_new_tokens, 4)
+    with trainer.layout.decoder() as decoder:
+        _, _, lean = run_episodes(decoder, collector.renderer, [collector.factory() for _ in rows], rows, seeds,
+                                  collector.sampling, collector.budgets, uniforms, cfg.max_prompt_tokens, "cpu")
+    assert ours.response_ids.tolist() == lean.response_ids.tolist()
+    assert torch.equal(ours.response_mask, lean.response_mask) and torch.equal(ours.token_mask, lean.token_mask)
+    assert torch.equal(ours.turn_rewards, lean.turn_rewards) and ours.end == lean.end and ours.turns == lean.turns
+    assert max(ours.turns) >= 2  # the environment answered: a second turn continued from its tokens
+    m, _ = trainer.train_one_update()  # the rest of the update on vLLM's episodes
+    # top_k 1: vLLM's log-probs are after the truncation (log 1 = 0), the recomputed ones before it: the gap
+    # is the whole -log p of the greedy tokens, and the old log-probs are the recomputed ones
+    assert m["rollout/logprob_mismatch_mean"] > 0 and torch.isfinite(torch.tensor(m["objective/scores"]))
+    trainer.engine.close()

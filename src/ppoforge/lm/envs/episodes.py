@@ -130,6 +130,42 @@ def run_episodes(decoder: Decoder, renderer, envs: list, rows: list[dict], seeds
     return prompt_ids, prompt_mask, _assemble(states, renderer, prompt_ids, prompt_mask, params, device)
 
 
+@torch.inference_mode()
+def run_episodes_by_turns(engine, renderer, envs: list, rows: list[dict], seeds: list[int], params: SamplingParams,
+                          budgets: Budgets, uniforms: torch.Tensor, max_prompt_tokens: int, device
+                          ) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
+    """`run_episodes` through a `RolloutEngine` that takes whole sequences (vLLM, `lm/models/engines.py`): each
+    turn, every live row's sequence so far — its prompt, the policy's own sampled tokens and the
+    environment's rendered tokens, never re-encoded — goes to the engine, which continues it once (its prefix
+    cache keeps the earlier turns' KV). A turn that runs past `max_episode_tokens` is cut there (`budget`), as
+    the decode loop stops there. Turn k's draws come from uniforms row k * max_new_tokens (the engine derives
+    each row's seed from it)."""
+    states, prompts = [], []
+    for env, row, seed in zip(envs, rows, seeds, strict=True):
+        messages = as_messages(env.reset(row, random.Random(seed)))
+        states.append(_Row(env, messages))
+        prompts.append(renderer.prompt_ids(messages)[-max_prompt_tokens:])
+    live = list(range(len(rows)))
+    for turn in range(budgets.max_turns):
+        ids, mask = left_pad([prompts[i] + states[i].tokens for i in live], params.pad_id, device)
+        u = uniforms[turn * params.max_new_tokens:][:, live]
+        out = engine.generate(ids, mask, params, u)
+        for j, i in enumerate(live):
+            n = int(out.response_mask[j].sum())
+            for tok, lp in zip(out.response_ids[j, :n].tolist(), out.logp[j, :n].tolist(), strict=True):
+                states[i].add_policy(tok, lp)
+                if len(states[i].tokens) >= budgets.max_episode_tokens:
+                    states[i].end = "budget"
+                    break
+        for i in live:
+            _env_turn(states[i], renderer, params, budgets, turn + 1 == budgets.max_turns, True)
+        live = [i for i in live if states[i].end is None]
+        if not live:
+            break
+    prompt_ids, prompt_mask = left_pad(prompts, params.pad_id, device)
+    return prompt_ids, prompt_mask, _assemble(states, renderer, prompt_ids, prompt_mask, params, device)
+
+
 def _policy_turn(decoder: Decoder, logits: torch.Tensor, states: list[_Row], live: list[int],
                  params: SamplingParams, budgets: Budgets, uniforms: torch.Tensor) -> list[bool]:
     """Every live row samples its turn (until a stop token, max_new_tokens or the episode budget); rows

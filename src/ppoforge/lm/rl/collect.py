@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from ppoforge.lm.envs.chat import ChatRenderer, prefix_preserving
-from ppoforge.lm.envs.episodes import Budgets, episode_metrics, run_episodes
+from ppoforge.lm.envs.episodes import Budgets, episode_metrics, run_episodes, run_episodes_by_turns
 from ppoforge.lm.envs.loading import load_env
 from ppoforge.lm.models.attention import left_pad
 from ppoforge.lm.models.engines import LocalEngine, RolloutEngine
@@ -200,7 +200,11 @@ class MultiTurn:
     def __init__(self, cfg: RLHFConfig, inputs: RunInputs):
         self.cfg, self.inputs, self.layout, self.precision = cfg, inputs, inputs.layout, inputs.precision
         self.sampling = _sampling(cfg, inputs)
-        self.gen_batch = cfg.rollout_size  # episodes decode turn-synchronously, the whole batch at once
+        # episodes decode turn-synchronously, the whole batch at once: on the layout's decoder with one KV
+        # cache for the whole episode (`run_episodes`), or through an engine that takes whole sequences, a
+        # turn at a time (`run_episodes_by_turns`: vLLM)
+        self.engine = engine_for(cfg, inputs, cfg.rollout_size)
+        self.local = isinstance(self.engine, LocalEngine)
         self.factory = load_env(cfg.env, cfg.call_timeout)
         self.renderer = ChatRenderer(inputs.tokenizer, cfg.end_check)
         self.budgets = Budgets(cfg.max_turns, cfg.episode_tokens, cfg.max_env_tokens, cfg.env_overflow)
@@ -209,6 +213,10 @@ class MultiTurn:
             print(f"ppoforge: the chat template of {cfg.model} is not prefix-preserving ({why}): environment "
                   "tokens rendered as template diffs will not match the template's rendering of whole "
                   "conversations (end_check counts or refuses them)", file=sys.stderr)
+
+    @property
+    def gen_batch(self) -> int:
+        return self.cfg.rollout_size
 
     def seeds(self, n: int, generator: torch.Generator) -> list[int]:
         return torch.randint(2**62, (n,), generator=generator, device=generator.device).tolist()
@@ -219,10 +227,14 @@ class MultiTurn:
         uniforms = draw_uniforms(self.sampling, n_global, generator, self.budgets.max_turns)[:, cols]
 
         def play():
+            envs = [self.factory() for _ in rows]
+            if not self.local:
+                return run_episodes_by_turns(self.engine, self.renderer, envs, rows, seeds, self.sampling,
+                                             self.budgets, uniforms, self.cfg.max_prompt_tokens, self.inputs.device)
             with self.layout.decoder() as decoder, self.precision.autocast():
-                return run_episodes(decoder, self.renderer, [self.factory() for _ in rows], rows, seeds,
-                                    self.sampling, self.budgets, uniforms, self.cfg.max_prompt_tokens,
-                                    self.inputs.device, share_prefill=self.cfg.shared_prefix == "auto")
+                return run_episodes(decoder, self.renderer, envs, rows, seeds, self.sampling, self.budgets, uniforms,
+                                    self.cfg.max_prompt_tokens, self.inputs.device,
+                                    share_prefill=self.cfg.shared_prefix == "auto")
 
         prompt_ids, prompt_mask, episodes = distributed.checked(play)
         return Batch(rows, torch.cat([prompt_ids, episodes.response_ids], 1), prompt_mask, episodes,
