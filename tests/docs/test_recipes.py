@@ -88,10 +88,10 @@ def _commands(block: str) -> list[list[str]]:
     return [argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))]
 
 
-def recipes(page: str) -> list[Recipe | tuple[int, str]]:
+def recipes(page: str, root: Path = ROOT) -> list[Recipe | tuple[int, str]]:
     """The page's recipes, in order; a marker without a block or a block without a command is (line, why)."""
     out, files = [], {}
-    for line, name, block in _blocks((ROOT / page).read_text()):
+    for line, name, block in _blocks((root / page).read_text()):
         if block is None:
             out.append((line, "the marker is not followed by a fenced block"))
         elif name:
@@ -119,13 +119,22 @@ def test_every_marked_block_is_a_recipe_of_known_commands():
     assert len(readme) >= 7, [r.id for r in readme]
     assert {"train", "pipeline", "doctor"} <= {_ppoforge_args(a)[0] for r in readme for a in r.commands}
     assert any(r.torchrun for r in readme)
+    # the held-out split of the user's own prompts is shown (and asserted by _check_heldout) in some recipe
+    assert any(_splits_heldout(r, argv) for r in ALL for argv in r.commands)
 
 
-def test_a_marker_without_a_command_is_caught(tmp_path, monkeypatch):
+def _splits_heldout(recipe: Recipe, argv: list[str]) -> bool:
+    args = _ppoforge_args(argv)
+    prompts = _option(args, "--prompts")
+    return (args[:2] == ["train", "rlhf"] and prompts in recipe.files and _option(args, "--run-dir") is not None
+            and _option(args, "--heldout-prompts") is None
+            and sum(1 for line in recipe.files[prompts].splitlines() if line.strip()) >= HELDOUT_MIN_ROWS)
+
+
+def test_a_marker_without_a_command_is_caught(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("<!-- recipe -->\n```bash\n# only a comment\n```\n\n<!-- recipe -->\ntext\n")
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert recipes("page.md") == [(1, "the recipe block has no command"),
+    assert recipes("page.md", tmp_path) == [(1, "the recipe block has no command"),
                                   (6, "the marker is not followed by a fenced block")]
 
 
