@@ -114,3 +114,25 @@ def test_closing_lines_say_which_loss_when_nothing_is_held_out_and_count_one_upd
                  "--total-updates", "1", "--batch-size", "2", "--mini-batch-size", "2", "--micro-batch-size", "2",
                  "--max-new-tokens", "2", "--lora-r", "2", "--device", "cpu", "--run-dir", str(tmp_path / "rl")]) == 0
     assert capsys.readouterr().out.startswith("done: 1 update (2 episodes), "), out
+
+
+def test_the_rlhf_closing_lines_give_held_out_before_and_after_the_model_and_tensorboard(tmp_path, tiny_model,
+                                                                                      capsys):
+    """Issue 39: the end of a run said only "done: 2 updates (64 episodes), last mean score 0.462; run dir ..."."""
+    import json
+
+    prompts, heldout = tmp_path / "p.jsonl", tmp_path / "h.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    heldout.write_text("".join(json.dumps({"prompt": f"other question {i}"}) + "\n" for i in range(2)))
+    run = tmp_path / "rl"
+    assert main(["train", "rlhf", "--progress", "false", "--model", str(tiny_model), "--prompts", str(prompts),
+                 "--heldout-prompts", str(heldout), "--reward", "length:8", "--total-updates", "1", "--batch-size",
+                 "2", "--mini-batch-size", "2", "--max-new-tokens", "2", "--lora-r", "2", "--device", "cpu",
+                 "--heldout-samples", "1", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    summary = json.loads((run / "summary.json").read_text())
+    before, after = summary["heldout_before"], summary["heldout_after"]
+    assert out[0].startswith("done: 1 update (2 episodes), last mean score ") and \
+        out[0].endswith(f"; held-out mean score {before:.3f} -> {after:.3f}"), out
+    assert out[1:] == [f"model {run / 'model'} (LoRA adapter, PEFT format); summary {run / 'summary.json'}",
+                       f"curves: tensorboard --logdir {run}"], out

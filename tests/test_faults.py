@@ -423,10 +423,15 @@ def test_a_reward_that_raises_at_update_3_leaves_update_2_resumable(capsys, tmp_
     code, err = _cli(capsys, *_rlhf_args(tiny_model, run, reward_module, "--total-updates", "5"))
     assert code == 2 and len(error_lines(err)) == 1, err
     assert "reward py:flaky_reward:reward raised ValueError: the reward server said 503" in err
-    assert f"checkpoint at update 2: continue with ppoforge train rlhf --resume {run}" in err
+    fixed = (tmp_path / "flaky_reward.py").resolve()  # the fix for a failing reward is often an edit of its file:
+    assert f"checkpoint at update 2: continue with ppoforge train rlhf --resume {run} (add --trust-run-dir if " \
+           f"you changed {fixed})" in err  # then a plain --resume is refused, as the hint says
     assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 2
     monkeypatch.setenv("REWARD_MODE", "ok")
+    fixed.write_text(fixed.read_text() + "# fixed\n")
     code, err = _cli(capsys, "train", "rlhf", "--resume", str(run))
+    assert code == 2 and "--trust-run-dir" in err, err
+    code, err = _cli(capsys, "train", "rlhf", "--resume", str(run), "--trust-run-dir")
     assert code == 0, err
     assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 5
 

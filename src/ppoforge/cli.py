@@ -121,10 +121,25 @@ def _cmd_train_rlhf(args) -> int:
     _memory_plan(cfg, "rlhf")
     with _held(args, run_dir):
         result = train(cfg, run_dir, resume=bool(args.resume))
-    score = result.last_metrics.get("objective/scores", float("nan"))
-    _report(f"{_status(result.stopped_by)}: {_count(result.updates, 'update')} ({_count(result.episodes, 'episode')}), "
-          f"last mean score {score:.3f}; run dir {result.run_dir}")
+    _report(_rlhf_closing(result, cfg))
     return 0
+
+
+def _rlhf_closing(result, cfg) -> str:
+    """An RLHF run's closing lines: updates, last score and held-out before -> after; where the model is; how to
+    look at the curves."""
+    score = result.last_metrics.get("objective/scores", float("nan"))
+    heldout = f"; held-out mean score {result.heldout[0]:.3f} -> {result.heldout[1]:.3f}" if result.heldout else ""
+    counts = f"{_count(result.updates, 'update')} ({_count(result.episodes, 'episode')})"
+    lines = [f"{_status(result.stopped_by)}: {counts}, last mean score {score:.3f}{heldout}"]
+    if result.export is not None:
+        what = "LoRA adapter, PEFT format" if cfg.export == "adapter" and cfg.layout != "full" else "save_pretrained"
+        lines.append(f"model {result.export} ({what}); summary {result.run_dir / 'summary.json'}")
+    else:
+        lines.append(f"run dir {result.run_dir} (--resume to finish)")
+    if cfg.tensorboard:
+        lines.append(f"curves: tensorboard --logdir {result.run_dir}")
+    return "\n".join(lines)
 
 
 def _cmd_train_sft(args) -> int:

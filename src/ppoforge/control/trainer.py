@@ -29,7 +29,7 @@ from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime import distributed, rundir, runstate
+from ppoforge.runtime import distributed, rundir, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import open_run_dir, plot_curves
@@ -108,7 +108,7 @@ class ControlTrainer:
         self.lr_scale = 1.0  # lowered by each non-finite rollback
         self.optimizing = False  # has the current update stepped the optimizer (see runtime/resilience.py)
         self.checkpoint = self.run_dir / CHECKPOINT
-        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train control --resume {self.run_dir}")
+        self.run_guard = RunGuard(self, self.checkpoint, trust.resume_command("control", self.run_dir, cfg))
 
     # ---- checkpoint (runtime/runstate.py) ---------------------------------------------------------
     def state_dict(self) -> dict:

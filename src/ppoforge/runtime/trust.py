@@ -105,6 +105,15 @@ def _recorded(path: Path) -> dict | None:
         return None
 
 
+def resume_command(trainer: str, run_dir: Path, cfg) -> str:
+    """How to continue a run: `ppoforge train TRAINER --resume RUN`, and where the config names py: code,
+    that a resume after an edit of it needs --trust-run-dir (`check_resume` refuses code that is not what
+    the run started with): the fix for a failing reward is often an edit of its file."""
+    command = f"ppoforge train {trainer} --resume {run_dir}"
+    files = list(dict.fromkeys(str(path) for target in code_items(cfg) if (path := module_file(target))))
+    return f"{command} (add --trust-run-dir if you changed {', '.join(files)})" if files else command
+
+
 def check_resume(run_dir: Path, cfg, trusted: bool) -> None:
     """Refuse to resume into code, or onto data, that is not what the run started with, unless `trusted`."""
     if trusted:

@@ -139,18 +139,22 @@ class RolloutPasses:
         return self._logprobs(self.layout.ref_logits, hidden, samples.response_ids)
 
     def _same(self, what: str, plain, fast, m: torch.Tensor, names: tuple[str, ...]) -> bool:
-        """Bit for bit on real tokens (values None: no critic)? If not, say so once on stderr (the run then
-        recomputes them)."""
+        """Bit for bit on real tokens (values None: no critic)? If not, one info line on stderr says what the
+        run does about it (recompute): not a fault, the exactness rule working (in bf16 the sampler's kernels
+        round differently from the training forward's; a ratio not exactly 1 before any update is a bias).
+        A path found inexact is never checked again, so the line comes once per path and run."""
         gaps = {name: float(((p - f) * m).abs().max()) for name, p, f in zip(names, plain, fast, strict=True)
                 if p is not None}
         if not distributed.any_true(any(g != 0 for g in gaps.values())):  # the ranks decide alike
             return True
         diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap)
-        fix = ("old log-probs and values come from a training forward every update (one more forward)"
-               if what == "policy" else "the reference runs through Hugging Face's forward")
-        if distributed.is_main():  # the ranks decided alike: one note
-            print(f"ppoforge: the fast {what} path differs from the training forward ({diff}) on {self.where}: "
-                  f"{fix}", file=sys.stderr)
+        line = (f"the sampler's log-probs are not bit-identical to the training forward's ({diff}), so ppoforge "
+                "is recomputing old log-probs with the training forward (one more forward per update; PPO's "
+                "ratio starts at exactly 1)" if what == "policy" else
+                f"the fast reference pass is not bit-identical to the training forward ({diff}), so the "
+                "reference runs through Hugging Face's forward")
+        if distributed.is_main():  # the ranks decided alike: one line
+            print(f"ppoforge: info: on {self.where} {line}", file=sys.stderr)
         return False
 
 

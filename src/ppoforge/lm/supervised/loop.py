@@ -37,7 +37,7 @@ from ppoforge.lm.models.loading import load_tokenizer
 from ppoforge.lm.models.parts import EXPORT_DIR, export_dtype
 from ppoforge.lm.supervised.config import SupervisedConfig
 from ppoforge.lm.supervised.examples import read_rows
-from ppoforge.runtime import distributed, runstate
+from ppoforge.runtime import distributed, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import open_run_dir, write_summary
@@ -119,7 +119,7 @@ class SupervisedTrainer:
         self._order = (-1, None)  # (data epoch, its permutation), derived from (seed, epoch) on demand
         self.checkpoint = self.run_dir / (SHARDED_CHECKPOINT if cfg.fsdp else CHECKPOINT)
         self.sharded_module = objective.checkpoint_module() if cfg.fsdp else None  # what `checkpoint/` holds
-        self.run_guard = RunGuard(self, self.checkpoint, f"ppoforge train {objective.name} --resume {run_dir}",
+        self.run_guard = RunGuard(self, self.checkpoint, trust.resume_command(objective.name, run_dir, cfg),
                                   write=sharded_writer(self.checkpoint, self.sharded_module, self.optimizer)
                                   if cfg.fsdp else None)
 
