@@ -48,7 +48,7 @@ def _args(model: Path, prompts: Path, run_dir: Path, batch: int, updates: int, l
             "--mini-batch-size", str(batch), "--micro-batch-size", str(batch), "--ppo-epochs", "2",
             "--max-new-tokens", "16", "--max-prompt-tokens", "16", "--total-updates", str(updates),
             "--torch-threads", "1", "--device", device, "--progress", "false", "--tensorboard", "false",
-            "--checkpoint-every", "100000"]
+            "--checkpoint-every", "100000", "--precision", "fp32"]  # as measured before rlhf's default became auto
 
 
 def _update_s(run_dir: Path) -> float:
