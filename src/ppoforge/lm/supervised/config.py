@@ -44,6 +44,9 @@ class SupervisedConfig(FaultConfig):
     micro_batch_size: int | None = param(None, "examples per forward/backward (accumulated to a batch); none: the "
                                          "largest divisor of batch_size up to 8", lo=1, hi=1_000_000)
     epochs: float = param(1.0, "passes over the training data", gt=0, hi=1e6, resume=True)
+    max_steps: int | None = param(None, "stop after this many optimizer steps, whatever epochs says (TRL's "
+                                  "max_steps: the learning-rate schedule ends there too); none: epochs decides",
+                                  lo=1, hi=10**12, resume=True)
     learning_rate: float = param(2e-4, "AdamW learning rate (full fine-tuning wants ~1e-5)", gt=0, hi=10.0)
     warmup_ratio: float = param(0.05, "share of the steps with a linear learning-rate warm-up", lo=0.0, hi=1.0)
     weight_decay: float = param(0.0, "AdamW weight decay", lo=0.0, hi=10.0)
@@ -65,6 +68,8 @@ class SupervisedConfig(FaultConfig):
 
     def finalize(self) -> None:
         check_device_name(self.device)
+        if self.micro_batch_size is None:  # resolved once here: config.yaml and checkpoints hold the number
+            self.micro_batch_size = default_micro_batch(self.batch_size)
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"micro_batch_size: {self.micro_batch_size} does not divide batch_size "
                             f"{self.batch_size}; allowed: a divisor of batch_size")
@@ -74,8 +79,6 @@ class SupervisedConfig(FaultConfig):
         if self.fsdp and self.precision == "fp16":
             raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
                             "all-reduce across ranks); allowed: fp32, bf16, auto")
-        if self.micro_batch_size is None:  # resolved once here: config.yaml and checkpoints hold the number
-            self.micro_batch_size = default_micro_batch(self.batch_size)
 
     def check_data(self) -> None:
         """Training needs `data`; a config may be built without it (the Python API's trainers take the rows as
