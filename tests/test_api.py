@@ -6,7 +6,9 @@ time, loaded models and reward callables go in unchanged, save_pretrained's two 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +115,23 @@ def test_step_writes_each_update_and_checkpoints_at_the_configs_cadence(tiny, tm
     assert json.loads((run / "summary.json").read_text())["stopped_by"] is None  # the CLI's closing summary
     with pytest.raises(UserError, match="^total_updates: the run has done its 3 updates"):
         trainer.step()
+
+
+def test_a_stop_signal_inside_step_keeps_the_last_completed_update_and_exports_nothing(tiny, tmp_path):
+    calls = []
+
+    def stopping(prompts, completions, **row_fields):
+        calls.append(1)
+        if len(calls) == 2:  # inside the second update's reward: as a SIGTERM from a scheduler
+            os.kill(os.getpid(), signal.SIGTERM)
+        return [float(len(c)) for c in completions]
+
+    run = tmp_path / "run"
+    trainer = RLHFTrainer(model=str(tiny), reward_funcs=stopping, train_dataset=PROMPTS, args=small(), output_dir=run)
+    assert trainer.step() and trainer.update == 1
+    assert trainer.step() == {} and trainer.update == 1
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["update"] == 1
+    assert not (run / "model").exists() and [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
 
 
 def test_train_writes_the_run_dir_the_cli_writes(tiny, tmp_path, capsys):

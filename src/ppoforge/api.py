@@ -167,8 +167,9 @@ class RLHFTrainer(rl.RLHFTrainer):
     def step(self) -> dict[str, float]:
         """One update, as one turn of the CLI's loop (`run_update`): its metrics line, completions and
         checkpoint (every `checkpoint_every` updates and at the last) written to the run dir; after the last
-        update the held-out evaluation and the export. Returns the update's metrics; {} when a stop signal
-        ended it before any update completed (after a rollback the retried update's)."""
+        update the held-out evaluation and the export (not when a stop signal came: then, as the CLI,
+        `ppoforge train rlhf --resume RUN` finishes it). Returns the update's metrics; {} when a stop signal ended
+        it before any update completed (after a rollback the retried update's)."""
         self._check_left()
         cfg, got = self.cfg, []
         if self.logger is None:
@@ -182,7 +183,7 @@ class RLHFTrainer(rl.RLHFTrainer):
             while not got and run_update(self, self.run_guard, cfg.total_updates, cfg.checkpoint_every,
                                          after_update, stop):
                 pass
-        if self.update == cfg.total_updates:  # the end of the CLI's run: held-out scores, export, curves, summary
+        if self.update == cfg.total_updates and not stop:  # the CLI run's end: held-out scores, export, summary
             try:
                 export = self.finish()
             finally:
