@@ -83,6 +83,11 @@ def test_underscores_and_trls_names_mean_the_same_options(capsys, tmp_path):
     b = parser.parse_args(["train", "rlhf", "--learning-rate", "1e-5", "--num-generations", "4",
                            "--max-new-tokens", "64", "--run-dir", str(tmp_path)])
     assert vars(a) == vars(b)
+    ppo = parser.parse_args(["train", "rlhf", "--cliprange", "0.1", "--cliprange_value", "0.3", "--num_ppo_epochs", "2",
+                             "--response_length", "16", "--epsilon_high", "0.28"])
+    assert {k: v for k, v in vars(ppo).items() if k.startswith("cfg.")} == {
+        "cfg.clip": "0.1", "cfg.value_clip": "0.3", "cfg.ppo_epochs": "2", "cfg.max_new_tokens": "16",
+        "cfg.clip_high": "0.28"}
     sft = parser.parse_args(["train", "sft", "--num_train_epochs=2", "--max_steps", "3"])
     assert sft.__dict__["cfg.epochs"] == "2" and sft.__dict__["cfg.max_steps"] == "3"
 

@@ -76,7 +76,10 @@ TRL_NAMES = {
     "rlhf": {"--output-dir": "--run-dir", "--max-completion-length": "--max-new-tokens",
              "--max-prompt-length": "--max-prompt-tokens",  # TRL cuts the prompt from the left, as we do
              "--epsilon": "--clip", "--epsilon-high": "--clip-high", "--num-iterations": "--ppo-epochs",
-             "--mask-truncated-completions": "--mask-truncated"},
+             "--mask-truncated-completions": "--mask-truncated",
+             # TRL's PPOConfig
+             "--cliprange": "--clip", "--cliprange-value": "--value-clip", "--num-ppo-epochs": "--ppo-epochs",
+             "--response-length": "--max-new-tokens"},
     "sft": _SUPERVISED_NAMES, "reward": _SUPERVISED_NAMES,
 }
 # TRL names whose meaning differs here: refused in one line saying what to use instead, never mapped
