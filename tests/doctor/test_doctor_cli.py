@@ -31,7 +31,8 @@ def test_quick_json(capsys, tmp_path):
     assert all(c["fix"] for c in data["checks"] if c["status"] in ("warn", "fail"))
     required = [v for v in data["verdicts"] if v["required"]]
     assert [v["key"] for v in required] == ["control", "rlhf", "checkpoints"]
-    assert code == data["exit_code"] == (0 if all(v["holds"] for v in required) else 1)
+    assert code == data["exit_code"] == (0 if all(v["holds"] is not False for v in required) else 1)
+    assert {v["key"]: v["holds"] for v in required}["control"] is None  # control_smoke: not checked
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="multi-GPU holds on this machine")
@@ -93,7 +94,7 @@ def test_pypi_cuda_wheel_on_a_gpu_less_box_end_to_end(monkeypatch):
     assert rows["torch_wheel"].status == "warn" and "cu124" in rows["torch_wheel"].evidence
     assert rows["gpu_visibility"].status == "warn" and "--gpus all" in rows["gpu_visibility"].fix
     holds = {v.key: v.holds for v in report.verdicts}
-    assert holds["control"] and holds["rlhf"]
+    assert holds["control"] is holds["rlhf"] is None and report.exit_code == 0  # not checked: the smoke runs
     rlhf = next(v for v in report.verdicts if v.key == "rlhf")
     assert rlhf.label == "LM RLHF on this device (cpu)"
 

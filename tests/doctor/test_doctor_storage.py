@@ -85,10 +85,10 @@ def test_container_hint_from_env(monkeypatch):
 def test_hf_cache_offline_and_unmounted(tmp_path):
     (tmp_path / "hub" / "models--Qwen--Qwen2-0.5B").mkdir(parents=True)
     f = DirFacts(str(tmp_path), None, 50 * GIB, Mount("/", "ext4", "/dev/sda1"), None)
-    r = check_hf_cache(f, explicit=True, env={"HF_HUB_OFFLINE": "1"})
-    assert r.status == "ok" and "1 model(s)" in r.evidence and "offline (HF_HUB_OFFLINE=1)" in r.evidence
+    r = check_hf_cache(f, explicit=True, env={"HF_HUB_OFFLINE": "1"}, hub=(False, "HF_HUB_OFFLINE=1, not asked"))
+    assert r.status == "ok" and "1 model(s)" in r.evidence and "offline (HF_HUB_OFFLINE=1" in r.evidence
     in_container = replace(f, container="/.dockerenv", mount=Mount("/", "overlay", "overlay"))
-    r = check_hf_cache(in_container, explicit=False, env={})
+    r = check_hf_cache(in_container, explicit=False, env={}, hub=(True, "https://huggingface.co answered HTTP 200"))
     assert r.status == "warn" and "downloaded again" in r.evidence and "HF_HOME" in r.fix
 
 

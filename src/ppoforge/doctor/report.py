@@ -2,8 +2,10 @@
 
 A check is one small function returning a `CheckResult(name, status, evidence, fix)`. A capability
 ("control PPO", "multi-GPU") is a verdict over named checks: it holds when none of them failed and every
-one it needs ran and passed (ok or warn). A check skipped by `--quick` does not count against it: the
-verdict then says it was not exercised. The exit code is 0 when every *required* capability holds.
+one it needs ran and passed (ok or warn). One function (`verdict`) decides for both modes: where a check
+`--quick` skipped would decide, the quick verdict is "not checked (run the full doctor)" (holds None), never
+"yes" — so quick never says yes where the full doctor says NO (tests/doctor/test_doctor_modes.py). The exit
+code is 0 when no *required* capability is NO (a quick run's "not checked" does not fail it).
 """
 
 from __future__ import annotations
@@ -68,13 +70,24 @@ CAPABILITY_KEYS = tuple(c.key for c in CAPABILITIES)
 DEFAULT_REQUIRE = ("control", "rlhf", "checkpoints")
 
 
+NOT_CHECKED = "run the full doctor"  # the reason of a verdict not checked: "not checked (run the full doctor: …)"
+
+
 @dataclass
 class Verdict:
     key: str
     label: str
-    holds: bool
+    holds: bool | None  # None: not checked (a check it needs was skipped by --quick)
     reason: str
     required: bool = False
+
+    @property
+    def answer(self) -> str:
+        return {True: "yes", False: "NO", None: "not checked"}[self.holds]
+
+    def sentence(self) -> str:
+        """The verdict in words, as the table shows it: `yes (reason)`, `NO (reason)`, `not checked (reason)`."""
+        return f"{self.answer} ({self.reason})"
 
 
 def _short(result: CheckResult) -> str:
@@ -98,12 +111,12 @@ def verdict(cap: Capability, by_name: dict[str, CheckResult], gpus: int, quick_s
     passed = [r.name for r in listed if r.status in (OK, WARN)]
     if cap.any_of and not any(n in passed for n in cap.any_of):
         if all(n in quick_skipped for n in cap.any_of):
-            return Verdict(cap.key, cap.label, True, "not exercised (--quick)")
+            return Verdict(cap.key, cap.label, None, f"{NOT_CHECKED}: {', '.join(cap.any_of)} skipped by --quick")
         return Verdict(cap.key, cap.label, False, "; ".join(_short(by_name[n]) for n in cap.any_of
                                                              if n in by_name))
     deferred = [n for n in cap.needs if n in quick_skipped]
     if deferred:
-        return Verdict(cap.key, cap.label, True, f"not exercised: {', '.join(deferred)} skipped by --quick")
+        return Verdict(cap.key, cap.label, None, f"{NOT_CHECKED}: {', '.join(deferred)} skipped by --quick")
     warned = [r.name for r in listed if r.status == WARN]
     reason = f"{', '.join(passed)} passed" + (f" (with warnings: {', '.join(warned)})" if warned else "")
     return Verdict(cap.key, cap.label, True, reason)
@@ -121,7 +134,7 @@ def verdicts(results: list[CheckResult], gpus: int, quick_skipped: set[str],
 
 
 def exit_code(vs: list[Verdict]) -> int:
-    return 0 if all(v.holds for v in vs if v.required) else 1
+    return 0 if all(v.holds is not False for v in vs if v.required) else 1
 
 
 @dataclass
@@ -173,9 +186,8 @@ def render_text(report: Report, width: int | None = None) -> str:
     out += ["", "verdicts (* = required for exit code 0):"]
     for v in report.verdicts:
         mark = "*" if v.required else " "
-        answer = "yes" if v.holds else "NO "
-        reason = _wrap(v.reason, width, label_w + 8)
-        out.append(f"{mark} {v.label + ' ':.<{label_w}} {answer}  {reason[0]}")
+        reason = _wrap(v.reason, width, label_w + 16)
+        out.append(f"{mark} {v.label + ' ':.<{label_w}} {v.answer:<11}  {reason[0]}")
         out.extend(reason[1:])
     out.append(f"exit code {report.exit_code}")
     return "\n".join(out)

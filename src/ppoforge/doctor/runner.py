@@ -117,7 +117,7 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("checkpoint_roundtrip", lambda: storage.check_checkpoint_roundtrip(workdir)),
         ("runs_dir", lambda: storage.check_runs_dir(storage.gather_dir(opts.runs_root, container))),
         ("hf_cache", lambda: storage.check_hf_cache(storage.gather_dir(home, container), explicit,
-                                                    dict(os.environ))),
+                                                    dict(os.environ), storage.hub_reachability(dict(os.environ)))),
         ("dist_backends", lambda: distributed.check_dist_backends(dist)),
         ("allreduce", lambda: distributed.check_allreduce(facts.torch_count, dist.nccl,
                                                           opts.allreduce_timeout)),

@@ -161,14 +161,44 @@ def hf_home() -> tuple[str, bool]:
     return str(Path(xdg).expanduser() / "huggingface"), False
 
 
-def check_hf_cache(f: DirFacts, explicit: bool, env: dict[str, str]) -> CheckResult:
+HUB_ENDPOINT = "https://huggingface.co"  # huggingface_hub's default; HF_ENDPOINT overrides it
+
+
+def offline_vars(env: dict[str, str]) -> list[str]:
+    """The environment variables that switch the hub off (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE set to 1)."""
+    return [k for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if env.get(k, "").lower() in ("1", "true", "yes")]
+
+
+def hub_reachability(env: dict[str, str], timeout: float = 2.0) -> tuple[bool, str]:
+    """(reachable, what was seen): a real HEAD request to the hub endpoint (HF_ENDPOINT, else huggingface.co)
+    with a short timeout; none when HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE says the hub is off. Any HTTP
+    answer means the hub is reachable; no answer (refused, DNS, timeout, TLS) means offline."""
+    import urllib.error  # the request only: urllib loads when the doctor asks the hub
+    import urllib.request  # the request only
+
+    offline = offline_vars(env)
+    if offline:
+        return False, f"{', '.join(offline)}=1, not asked"
+    endpoint = env.get("HF_ENDPOINT") or HUB_ENDPOINT
+    try:
+        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout) as r:
+            return True, f"{endpoint} answered HTTP {r.status}"
+    except urllib.error.HTTPError as e:  # an answer, if not a 2xx one: the hub is there
+        return True, f"{endpoint} answered HTTP {e.code}"
+    except (OSError, ValueError) as e:  # URLError, timeouts, refused connections, a malformed endpoint
+        reason = getattr(e, "reason", e)
+        return False, f"{endpoint} did not answer within {timeout:g} s ({type(reason).__name__}: {reason})"
+
+
+def check_hf_cache(f: DirFacts, explicit: bool, env: dict[str, str], hub: tuple[bool, str]) -> CheckResult:
+    """Where the HF cache lives, whether it persists, and whether the hub answers (`hub_reachability`:
+    online only after a real request answered)."""
     name = "hf_cache"
-    hub = Path(env.get("HF_HUB_CACHE") or Path(f.path) / "hub")
-    models = len(list(hub.glob("models--*"))) if hub.is_dir() else 0
-    offline = [k for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-               if env.get(k, "").lower() in ("1", "true", "yes")]
-    evidence = (f"HF_HOME {f.path} ({'set' if explicit else 'default'}); hub cache {hub}: {models} model(s); "
-                + (f"offline ({', '.join(offline)}=1): only cached models load" if offline else "online"))
+    cache = Path(env.get("HF_HUB_CACHE") or Path(f.path) / "hub")
+    models = len(list(cache.glob("models--*"))) if cache.is_dir() else 0
+    reachable, seen = hub
+    evidence = (f"HF_HOME {f.path} ({'set' if explicit else 'default'}); hub cache {cache}: {models} model(s); "
+                + (f"online ({seen})" if reachable else f"offline ({seen}): only cached models load"))
     if f.error is not None:
         return warn(name, f"{evidence}; {f.error}", "export HF_HOME=<a writable dir>")
     state, where = persistence(f)
