@@ -7,15 +7,15 @@ Each runs what `ppoforge train ...` runs, nothing of its own: the config is chec
 (`runtime/rundir.py`) from construction to the end of `train()`, and `train()` is the trainer's own run —
 config.yaml, metrics.jsonl, TensorBoard, checkpoints, the export. What the CLI names by a string is
 accepted as a Python object and turned into what the CLI would have: rows (a list of strings or dicts, a
-`datasets.Dataset`) are written into the run dir as JSON lines that the config then names, so the run dir
-resumes from the CLI and `runtime/trust.py` fingerprints them; reward callables become the trainer's
-`reward_fn` (config.yaml's `reward` says `python:` and their names); an already-loaded model and tokenizer
-are copied in by `lm/rl/build.py` in place of loading `model`.
+`datasets.Dataset`) are written into the run dir as JSON lines that the config then names (`runtime/trust.py`
+fingerprints them, a CLI resume reads them); reward callables become the trainer's `reward_fn` (config.yaml's
+`reward` says `python:` and their names, which a CLI resume refuses in one line); an already-loaded model and
+tokenizer are copied in by `lm/rl/build.py` in place of loading `model`.
 
 `RLHFTrainer` is the RLHF loop itself (`lm/rl/trainer.RLHFTrainer`) with this constructor, `step()` (one
 update through `runtime/resilience.run_update`, the CLI loop's own) and `save_pretrained()`; the other three
 wrap their trainers' `train` functions. Left out: resuming from Python (`ppoforge train ... --resume RUN`
-continues any of these run dirs), an already-loaded model for SFT and reward models (a path or hub id).
+continues these run dirs, but for callable rewards), an already-loaded model for SFT and reward models.
 """
 
 from __future__ import annotations
