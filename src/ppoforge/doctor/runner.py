@@ -19,7 +19,18 @@ from pathlib import Path
 
 import torch
 
-from ppoforge.doctor import distributed, gpu, libraries, memory, security, smoke, storage, system, templates
+from ppoforge.doctor import (
+    distributed,
+    gpu,
+    libraries,
+    memory,
+    rollout_engine,
+    security,
+    smoke,
+    storage,
+    system,
+    templates,
+)
 from ppoforge.doctor.report import (
     CAPABILITY_KEYS,
     DEFAULT_REQUIRE,
@@ -130,9 +141,17 @@ def plan(opts: Options, facts: gpu.GpuFacts, workdir: Path) -> list[tuple[str, C
         ("jupyter", lambda: security.check_jupyter(*security.gather_jupyter())),
         ("control_smoke", lambda: smoke.check_control_smoke(opts.device, opts.precision, workdir)),
         ("lm_smoke", lambda: smoke.check_lm_smoke(opts.device, opts.precision, workdir)),
+        ("vllm", lambda: _vllm_check(opts.quick, workdir / "vllm")),
         ("memory", lambda: memory.check_memory(opts.model, opts.device, facts.torch_count)),
     ]
     return checks
+
+
+def _vllm_check(quick: bool, workdir: Path) -> CheckResult:
+    """vLLM's version and requirements always; its one-token smoke in the full doctor when it is installed."""
+    facts = rollout_engine.gather_vllm()
+    smoke_line = None if quick or facts["dist"] is None else rollout_engine.vllm_smoke(workdir)
+    return rollout_engine.check_vllm(facts, smoke_line)
 
 
 def run_doctor(opts: Options) -> Report:
