@@ -92,3 +92,23 @@ def test_the_cli_prints_the_plan_and_its_verdict(tiny_lm_dir, capsys):
                  "--device", "cuda:0.001GB"])
     text = capsys.readouterr().out
     assert code == 1 and "does NOT fit" in text
+
+
+def test_the_vllm_engine_is_counted_its_share_and_asleep_only_while_generating(tiny_lm_dir, capsys):
+    """rollout_engine vllm: on CUDA the engine takes vllm_gpu_memory_utilization of the GPU; asleep
+    (vllm_sleep) it holds it only while generating; on CPU its weights copy and KV cache, and no local KV."""
+    def phases(*extra):
+        assert main(["plan", "rlhf", "--preset", "grpo", "--model", str(tiny_lm_dir), "--json",
+                     "--rollout-engine", "vllm", *extra]) in (0, 1)
+        return json.loads(capsys.readouterr().out)
+
+    awake = phases("--device", "cuda:80GB", "--vllm-sleep", "false", "--vllm-gpu-memory-utilization", "0.25")
+    asleep = phases("--device", "cuda:80GB", "--vllm-sleep", "true", "--vllm-gpu-memory-utilization", "0.25")
+    share = 0.25 * 80e9
+    assert awake["components"]["vLLM engine (weights + KV cache)"] == share
+    for name in ("scoring the rollout", "training a micro-batch"):
+        assert awake["phases"][name] - asleep["phases"][name] == pytest.approx(share)
+    assert awake["phases"]["generating"] == pytest.approx(asleep["phases"]["generating"])
+    cpu = phases("--device", "cpu")
+    assert 0 < cpu["components"]["vLLM engine (weights + KV cache)"] < share
+    assert cpu["components"]["KV cache (generation)"] == 0

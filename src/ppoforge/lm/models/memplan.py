@@ -38,6 +38,7 @@ from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import EAGER_MAX_TOKENS
 from ppoforge.lm.models.loading import model_config
 from ppoforge.lm.models.logprobs import HEAD_CHUNK_ELEMENTS
+from ppoforge.lm.models.vllm_engine import vllm_version
 from ppoforge.runtime import distributed
 
 GiB = 1 << 30
@@ -80,6 +81,9 @@ class Workload:
     reward_model: bool = False  # a frozen reward model of the policy's size (the plan's assumption)
     lean_decoder: bool = True
     packed: bool = False    # CPU: the lean decoder's oneDNN-packed stacks are a copy even of a LoRA base
+    vllm_share: float = 0.0  # rollout_engine vllm on CUDA: the share of the GPU the engine takes (its own KV)
+    vllm: bool = False       # rollout_engine vllm: the engine holds a copy of the weights and its own KV cache
+    vllm_sleep: bool = False  # CUDA: the engine sleeps between rollouts, resident only while generating
 
 
 @dataclass
@@ -152,7 +156,9 @@ def components(m: ModelShape, w: Workload) -> dict[str, float]:
            if w.gen_rows and w.lean_decoder and (w.packed or not lora) else 0}
     positions = w.tokens
     kv = 2 * m.layers * w.gen_rows * m.kv_heads * positions * m.head_dim * w.compute_bytes
-    out["KV cache (generation)"] = kv
+    # vLLM: its own weights and KV cache (on CUDA its whole share, set in `plan`); none of the local decoder's
+    out["vLLM engine (weights + KV cache)"] = m.params * w.compute_bytes + 1.25 * kv if w.vllm else 0
+    out["KV cache (generation)"] = 0 if w.vllm else kv
     out["generation logits"] = w.gen_rows * m.vocab * 4 * 2
     per_token_layer = 16 * m.hidden + 3 * m.intermediate  # elements autograd keeps per layer and token
     eager = m.heads * positions * 2 if w.eager_attention else 0  # scores + probabilities
@@ -169,13 +175,16 @@ def components(m: ModelShape, w: Workload) -> dict[str, float]:
     return out
 
 
-def phases(c: dict[str, float], runtime: float, generates: bool) -> dict[str, float]:
+def phases(c: dict[str, float], runtime: float, generates: bool, engine_sleeps: bool = False) -> dict[str, float]:
+    engine = c.get("vLLM engine (weights + KV cache)", 0)
     resident = runtime + sum(c[k] for k in ("frozen base (LoRA)", "reference (frozen copy)",
                                             "reward model (frozen)", "lean decoder's stacked linears"))
+    resident += 0 if engine_sleeps else engine  # asleep, the engine frees its GPU memory between rollouts
     states = c["trained weights + grads + AdamW"] + c["critic model (trained)"]
     out = {}
     if generates:
-        out["generating"] = resident + states + c["KV cache (generation)"] + c["generation logits"]
+        out["generating"] = (resident + states + c["KV cache (generation)"] + c["generation logits"]
+                             + (engine if engine_sleeps else 0))
         out["scoring the rollout"] = resident + states + c["scoring pass (micro-batch, no graph)"]
     out["training a micro-batch"] = resident + states + c["training activations (micro-batch)"] + \
         c["LM head logits (chunked, fp32)"]
@@ -188,7 +197,9 @@ def plan(m: ModelShape, w: Workload, capacity: float | None, device: str) -> Pla
 
     def build(work: Workload) -> Plan:
         c = components(m, work)
-        return Plan(c, phases(c, runtime, work.gen_rows > 0), capacity, device)
+        if work.vllm_share and capacity is not None:  # CUDA: vLLM takes its configured share, whatever it needs
+            c["vLLM engine (weights + KV cache)"] = work.vllm_share * capacity
+        return Plan(c, phases(c, runtime, work.gen_rows > 0, work.vllm_sleep), capacity, device)
 
     result = build(w)
     if result.fits is False:
@@ -277,7 +288,18 @@ def rlhf_workload(cfg, device: str, world: int = 1) -> Workload:
                     resp_tokens=cfg.episode_tokens, world=world, gradient_checkpointing=cfg.gradient_checkpointing,
                     eager_attention=eager, reference=cfg.kl_coef > 0, critic_model=bool(cfg.critic_model),
                     reward_model=not cfg.reward.startswith(("py:", "task", "vader", "length", "format"))
-                    and "/" in cfg.reward, lean_decoder=cfg.rollout_engine != "hf", packed=device == "cpu")
+                    and "/" in cfg.reward, lean_decoder=cfg.rollout_engine != "hf", packed=device == "cpu",
+                    **_engine(cfg, device))
+
+
+def _engine(cfg, device: str) -> dict:
+    """The Workload's vLLM fields: rollout_engine vllm (auto: on CUDA where vLLM is installed, as the run picks)."""
+    cuda = device.startswith("cuda")
+    if not (cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "auto" and cuda and vllm_version()
+                                             and not cfg.fsdp)):
+        return {}
+    return {"vllm": True, "vllm_share": cfg.vllm_gpu_memory_utilization if cuda else 0.0,
+            "vllm_sleep": cuda and cfg.vllm_sleep}
 
 
 def supervised_workload(cfg, device: str, world: int = 1, pairs: bool = False) -> Workload:
