@@ -57,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=8, help="--grpo: completions per forward/backward")
     p.add_argument("--shared-prefix", choices=["auto", "off"], default="auto",
                    help="ppoforge's shared_prefix: a group's completions as one row behind one prompt, or padded rows")
+    p.add_argument("--rollout-engine", choices=["auto", "lean", "hf", "vllm"], default="auto",
+                   help="ppoforge's rollout engine (vllm: run this worker with a python that has vLLM)")
     p.add_argument("--attn", choices=["auto", "eager", "sdpa"], default="auto",
                    help="ppoforge's attn_implementation for the training and scoring forwards")
     return p
@@ -87,7 +89,7 @@ def rlhf_config(w: rlhf_workloads.Workload, wdir: Path, args: argparse.Namespace
         "ppo_epochs": 1, "total_updates": args.warmup + args.updates, "seed": args.seed,
         "precision": args.precision, "device": args.device, "torch_threads": args.threads,
         "tensorboard": False, "progress": False, "shared_prefix": args.shared_prefix,
-        "attn_implementation": args.attn,
+        "attn_implementation": args.attn, "rollout_engine": args.rollout_engine,
         **(grpo_fields(args, w) if args.grpo else {}),
     })
 
@@ -132,7 +134,7 @@ def main() -> None:
     prompt_len = {r["prompt"]: len(r["input_ids"]) for r in rows}
 
     # per update: wall and process-CPU s, mean completion length, prompt lengths, shared-prefix unit size
-    gaps, cpu, lengths, step_prompts, units = [], [], [], [], []
+    gaps, cpu, lengths, step_prompts, units, syncs, gen_share = [], [], [], [], [], [], []
     for _ in range(args.warmup + args.updates):
         start, cpu_start = time.perf_counter(), time.process_time()
         metrics, table = trainer.train_one_update()
@@ -141,6 +143,8 @@ def main() -> None:
         lengths.append(metrics["objective/response_length"])  # the mean over the rollout, EOS included
         step_prompts.append([prompt_len[t["prompt"]] for t in table[::args.generations if args.grpo else 1]])
         units.append(metrics["perf/shared_prefix_unit"])
+        syncs.append(metrics.get("perf/weight_sync_s", 0.0))
+        gen_share.append(metrics["perf/generation_share"])
     timed = gaps[args.warmup:]
     median = statistics.median(timed)
     n = args.prompts * args.generations if args.grpo else w.n_prompts
@@ -163,7 +167,10 @@ def main() -> None:
         "resolved_precision": resolve_precision(args.precision, torch.device(args.device)),
         "peak_rss_gib": rlhf_workloads.peak_rss_gib(), "device": args.device,
         "peak_cuda_gib": rlhf_workloads.peak_cuda_gib(),
-        "setup_s": setup_s, "last_metrics": {k: metrics.get(k) for k in ("objective/kl", "objective/scores",
+        "setup_s": setup_s, "rollout_engine": trainer.engine.name,
+        "weight_sync_s": syncs[args.warmup:], "generation_share": gen_share[args.warmup:],
+        "logprob_mismatch_max": metrics.get("rollout/logprob_mismatch_max"),
+        "last_metrics": {k: metrics.get(k) for k in ("objective/kl", "objective/scores",
                                                                       "objective/response_length",
                                                                       "perf/shared_prefix_unit")},
         "versions": {"ppoforge": ppoforge.__version__, "transformers": transformers.__version__,

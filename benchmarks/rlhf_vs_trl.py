@@ -89,6 +89,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--grpo-micro", type=int, default=8)
     p.add_argument("--shared-prefix", default="auto",
                    help="ppoforge shared_prefix settings to time (comma list: auto,off side by side)")
+    p.add_argument("--engines", default="auto",
+                   help="ppoforge rollout engines to time (comma list of auto, lean, hf, vllm)")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                   help="the python that runs ppoforge's vllm workers (make venv-vllm)")
     p.add_argument("--attn", default="auto",
                    help="ppoforge attn_implementation settings to time (comma list: auto,eager,sdpa side by side)")
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl"), help="venv holding TRL 1.12")
@@ -146,10 +150,10 @@ def trl_venvs(args: argparse.Namespace) -> list[tuple[str, Path]]:
     return out
 
 
-def label(layout: str, shared_prefix: str, attn: str) -> str:
+def label(layout: str, shared_prefix: str, attn: str, engine: str = "auto") -> str:
     """A ppoforge run's name in the tables: its layout and the settings that are not the defaults."""
-    return ", ".join([layout] + [f"{k} {v}" for k, v in (("shared_prefix", shared_prefix), ("attn", attn))
-                                 if v != "auto"])
+    return ", ".join([layout] + [f"{k} {v}" for k, v in (("shared_prefix", shared_prefix), ("attn", attn),
+                                                         ("engine", engine)) if v != "auto"])
 
 
 def grpo_configs(wdir: str, args: argparse.Namespace, trls: list[tuple[str, Path]], generations: int,
@@ -168,11 +172,13 @@ def grpo_configs(wdir: str, args: argparse.Namespace, trls: list[tuple[str, Path
                                  "--precision", p, *shape])
                for name, py in trls for p in args.trl_precisions.split(",")]
     if not args.skip_ppoforge:
-        configs += [("ppoforge", label(lay, sp, attn), p,
-                     [sys.executable, str(HERE / "ppoforge_rlhf_worker.py"), *timing, "--updates", str(args.updates),
-                      "--grpo", *shape, "--layout", lay, "--precision", p, "--shared-prefix", sp, "--attn", attn])
+        configs += [("ppoforge", label(lay, sp, attn, eng), p,
+                     [args.vllm_python if eng == "vllm" else sys.executable, str(HERE / "ppoforge_rlhf_worker.py"),
+                      *timing, "--updates", str(args.updates), "--grpo", *shape, "--layout", lay, "--precision", p,
+                      "--shared-prefix", sp, "--attn", attn, "--rollout-engine", eng])
                     for lay in args.layouts.split(",") for p in args.precisions.split(",")
-                    for sp in args.shared_prefix.split(",") for attn in args.attn.split(",")]
+                    for sp in args.shared_prefix.split(",") for attn in args.attn.split(",")
+                    for eng in args.engines.split(",")]
     return configs
 
 

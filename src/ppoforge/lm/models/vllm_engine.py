@@ -25,6 +25,7 @@ trainer logs the gap (`rollout/logprob_mismatch_*`), or corrects for it (`vllm_i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -71,16 +72,26 @@ def kv_cache_bytes(config, rows: int, max_model_len: int, dtype: torch.dtype) ->
     return max(MIN_KV_BYTES, int(rows * max_model_len * per_token * KV_MARGIN))
 
 
-def changed_weights(layout) -> Iterator[tuple[str, torch.Tensor]]:
+def changed_weights(layout, everything: bool = False, vocab: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights that training changes, by their Hugging Face names. LoRA: every Linear of the
     decoder layers, each adapted one merged (base + scaling * B @ A in fp32, cast to the base's dtype) — a
     whole module at a time, as vLLM stacks q/k/v and gate/up into one; the embeddings and norms never
-    change. The lora-critic layout's critic adapter is not the policy's and is left out. Full: every
-    parameter of the policy."""
+    change, and go only with `everything` (the first sync: the engine read the checkpoint, the trainer may
+    hold another model of that name). The lora-critic layout's critic adapter is not the policy's and is
+    left out. Full: every parameter of the policy. Embedding rows past the checkpoint's `vocab` (a pad token
+    the loader added) are not the engine's."""
     model: nn.Module = layout.policy_model
+
+    def fit(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t[:vocab] if vocab and ("embed_tokens" in name or name.endswith("lm_head.weight")) else t
+
     if not hasattr(layout, "peft"):
-        yield from ((name, p.detach()) for name, p in model.named_parameters())
+        yield from ((name, fit(name, p.detach())) for name, p in model.named_parameters())
         return
+    if everything:  # the parameters outside the Linears below: embeddings, norms, an untied head
+        yield from ((name, fit(name, p.detach())) for name, p in model.named_parameters()
+                    if ".lora_" not in name and ".base_layer." not in name
+                    and not (".layers." in name and _is_linear(model, name)))
     for name, module in model.named_modules():
         adapter = policy_adapter(module)
         plain = (isinstance(module, nn.Linear) and ".layers." in name and ".lora_" not in name
@@ -95,6 +106,10 @@ def changed_weights(layout) -> Iterator[tuple[str, torch.Tensor]]:
         yield f"{name}.weight", weight
         if base.bias is not None:
             yield f"{name}.bias", base.bias.detach()
+
+
+def _is_linear(model: nn.Module, name: str) -> bool:
+    return isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.Linear)
 
 
 def _load_weights(worker, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -115,7 +130,9 @@ class VLLMEngine:
         self.layout, self.gen_batch = layout, rows
         self.rollout_timeout, self.sync_timeout = rollout_timeout, sync_timeout
         self.sleep_level = (1 if hasattr(layout, "peft") else 2) if sleep and device.type == "cuda" else 0
-        self.stale, self.asleep, self.sync_s = True, False, 0.0
+        self.stale, self.asleep, self.sync_s, self.synced = True, False, 0.0, False
+        config = Path(model_path) / "config.json"
+        self.vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
         # in this process: the sync copies tensors, and a hang is interrupted (module docstring)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads alone
@@ -172,6 +189,7 @@ class VLLMEngine:
             self._guard(self.llm.wake_up, "wake-up", self.sync_timeout, "sync_timeout")
             self.asleep = False
             self.stale |= self.sleep_level == 2  # level 2 dropped the weights
+            self.synced &= self.sleep_level != 2
         if self.stale:
             start = time.perf_counter()
             self._guard(self._push, "weight sync", self.sync_timeout, "sync_timeout")
@@ -182,8 +200,9 @@ class VLLMEngine:
     def _push(self) -> None:
         # one in-place reload over a stream of tensors: vLLM buffers a layer until its last tensor arrives,
         # then processes it, so the peak is one layer (merged LoRA weights are made one module at a time)
-        self.llm.collective_rpc(_load_weights, args=(changed_weights(self.layout),))
+        self.llm.collective_rpc(_load_weights, args=(changed_weights(self.layout, not self.synced, self.vocab),))
         self.llm.reset_prefix_cache()
+        self.synced = True
 
     def _guard(self, fn, phase: str, seconds: float | None, knob: str):
         """`fn()` under the phase's time limit; an engine failure is one line naming the phase (exit 1)."""
@@ -202,15 +221,15 @@ def samples_from(outs, params: SamplingParams, device: torch.device) -> Samples:
     stop token (vLLM stops at it), finished = stopped by a stop token, log-probs 0 on padding."""
     completions = [o.outputs[0] for o in outs]
     width = max(1, max(len(c.token_ids) for c in completions))
-    ids = torch.full((len(completions), width), params.pad_id, dtype=torch.long)
-    logp = torch.zeros(len(completions), width, dtype=torch.float32)
-    mask = torch.zeros(len(completions), width, dtype=torch.float32)
-    finished = torch.zeros(len(completions), dtype=torch.bool)
+    ids = torch.full((len(completions), width), params.pad_id, dtype=torch.long)  # cpu: filled from host lists
+    logp = torch.zeros(len(completions), width, dtype=torch.float32)  # cpu: filled from host lists
+    mask = torch.zeros(len(completions), width, dtype=torch.float32)  # cpu: filled from host lists
+    finished = torch.zeros(len(completions), dtype=torch.bool)  # cpu: filled from host lists
     for i, c in enumerate(completions):
         toks = list(c.token_ids)
         n = len(toks)
-        ids[i, :n] = torch.tensor(toks, dtype=torch.long)
+        ids[i, :n] = torch.tensor(toks, dtype=torch.long)  # cpu: into a host tensor
         mask[i, :n] = 1.0
-        logp[i, :n] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)])
+        logp[i, :n] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, toks, strict=True)])  # cpu: host
         finished[i] = c.finish_reason == "stop"
     return Samples(ids.to(device), mask.to(device), logp.to(device), finished.to(device))
