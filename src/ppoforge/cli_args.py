@@ -63,7 +63,7 @@ FIELD_GROUPS = {
     "faults": ("nonfinite_patience", "nonfinite_action", "rollback_lr_factor", "max_rollbacks", "call_timeout",
                "collapse_patience", "collapse_action", "rollout_timeout", "sync_timeout"),
     "logging": ("heldout_every", "heldout_samples", "eval_every", "sample_prompts", "sample_tokens",
-                "checkpoint_every", "log_every", "tensorboard", "progress"),
+                "checkpoint_every", "log_every", "tensorboard", "report_to", "progress"),
 }
 
 # TRL's (transformers TrainingArguments') names for the same quantity, per trainer (dashes: underscores are

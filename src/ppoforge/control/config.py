@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ppoforge.config import param
 from ppoforge.errors import UserError
 from ppoforge.runtime.device import check_device_name
+from ppoforge.runtime.metrics import REPORT_TO_HELP, report_sinks
 from ppoforge.runtime.precision import PRECISION_CHOICES
 from ppoforge.runtime.resilience import FaultConfig
 
@@ -56,9 +57,11 @@ class ControlConfig(FaultConfig):
     checkpoint_every: int = param(50, "save a checkpoint every this many updates (and at the end)",
                                   lo=1, hi=10**9, resume=True)
     tensorboard: bool = param(True, "also write TensorBoard event files", resume=True)
+    report_to: str = param("tensorboard", REPORT_TO_HELP, resume=True)
     progress: bool = param(True, "show a live progress bar", resume=True)
 
     def finalize(self) -> None:
+        report_sinks(self.report_to)
         check_device_name(self.device)
         if self.batch_size > MAX_ROLLOUT:
             raise UserError(f"num_envs: {self.num_envs} x num_steps {self.num_steps} = {self.batch_size:,} transitions "

@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL (the source of truth), TensorBoard, and a learning-curve PNG.
+"""Metrics sinks: JSONL (the source of truth, always), TensorBoard and Weights & Biases as `report_to`
+asks (TRL's field), and a learning-curve PNG.
 
 Metric names are namespaced (`charts/`, `losses/`, `objective/`, `policy/`, `loss/`, `val/`, `perf/`)
 and documented in docs/metrics.md. JSONL lines are appended and flushed per log call, so a killed
@@ -7,13 +8,21 @@ run keeps every line it logged; on resume the file is truncated back to the chec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
-from ppoforge.config import save_config
+from ppoforge.config import config_to_dict, save_config
+from ppoforge.errors import UserError
 from ppoforge.runtime import trust
 from ppoforge.runtime.rundir import atomic_write_text
+
+REPORT_TO = ("tensorboard", "wandb", "none")
+REPORT_TO_HELP = ("where metrics go besides metrics.jsonl (always written): tensorboard, wandb (Weights & Biases: "
+                  "pip install 'ppoforge[wandb]'; WANDB_MODE=offline writes RUN/wandb), none, or a comma-separated "
+                  "list (TRL's report_to)")
 
 
 def _plain(value):
@@ -24,15 +33,29 @@ def _plain(value):
     return value
 
 
-class MetricsLogger:
-    """Write `{"step": s, **metrics}` lines to metrics.jsonl and scalars to TensorBoard."""
+def report_sinks(report_to: str, tensorboard: bool = True) -> tuple[str, ...]:
+    """`report_to` ("tensorboard", "wandb", "none" or a comma-separated list) as the sinks it names; the older
+    `tensorboard: false` takes TensorBoard out. A name not allowed is a UserError naming the field."""
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    bad = [n for n in names if n not in REPORT_TO]
+    if bad or not names:
+        raise UserError(f"report_to: {bad[0] if bad else report_to!r} is not allowed; allowed: "
+                        f"{', '.join(REPORT_TO)}, or a comma-separated list of them")
+    return tuple(n for n in dict.fromkeys(names) if n != "none" and (n != "tensorboard" or tensorboard))
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+
+class MetricsLogger:
+    """Write `{"step": s, **metrics}` lines to metrics.jsonl and scalars to each of `sinks` (TensorBoard under
+    RUN/tb, a Weights & Biases run under RUN/wandb with `cfg` as its config)."""
+
+    def __init__(self, run_dir: Path, sinks: tuple[str, ...] = ("tensorboard",), cfg=None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = self._wandb = None
+        if "wandb" in sinks:  # first: a missing package is refused before anything is opened
+            self._wandb = _wandb_run(Path(run_dir), cfg)
         self._file = self.path.open("a")
-        self._tb = None
-        if tensorboard:
+        if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter  # loads tensorboard only for runs that write to it
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
@@ -41,10 +64,12 @@ class MetricsLogger:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         if self._tb:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb:
+            self._wandb.log(scalars, step=step)
 
     def log_text(self, step: int, tag: str, markdown: str) -> None:
         if self._tb:
@@ -54,6 +79,23 @@ class MetricsLogger:
         self._file.close()
         if self._tb:
             self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+def _wandb_run(run_dir: Path, cfg):
+    """A Weights & Biases run in RUN/wandb named after the run dir, resumed when the run dir is (its id is
+    the run dir's name); WANDB_MODE / WANDB_PROJECT as wandb reads them."""
+    try:
+        import wandb  # optional extra: only runs that report to W&B need it
+    except ImportError:
+        raise UserError("report_to: wandb needs the wandb package; fix: pip install 'ppoforge[wandb]', or "
+                        "report_to tensorboard") from None
+    (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+    path = str(run_dir.resolve())
+    run_id = re.sub(r"[^\w.-]", "-", run_dir.name)[:50] + "-" + hashlib.sha1(path.encode()).hexdigest()[:8]
+    return wandb.init(dir=path, name=run_dir.name, id=run_id, resume="allow",
+                      config=config_to_dict(cfg) if cfg is not None else None)
 
 
 class NullLogger:
@@ -91,7 +133,7 @@ def open_run_dir(run_dir: Path, cfg, note: str, step: int, logs: tuple[str, ...]
         trust.record(run_dir, cfg)
     for name in logs:
         truncate_metrics(run_dir / name, step)
-    return MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    return MetricsLogger(run_dir, report_sinks(cfg.report_to, cfg.tensorboard), cfg)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -125,6 +167,7 @@ def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str =
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"): no display needed
+    from matplotlib.ticker import MaxNLocator  # plotting only, as matplotlib above
 
     rows = read_metrics(metrics_path)
     present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
@@ -142,6 +185,7 @@ def plot_curves(metrics_path: Path, keys: list[str], out_png: Path, title: str =
             ax.plot(x, y, lw=1.5)
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 1.25 between updates
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)

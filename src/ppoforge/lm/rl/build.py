@@ -61,6 +61,7 @@ class RunInputs:
     left_out: int = 0                # training rows left out as held-out prompts (a split, heldout_disjoint)
     cuts: dict = field(default_factory=dict)  # per prompt set: rows, cut rows and tokens (max_prompt_tokens)
     split: dict | None = None        # heldout_prompts auto's split of the prompts (`heldout_rows`), else None
+    reward_fn: Callable | None = None  # what `score` calls (a WeightedSum keeps its terms: rewards/<name>/ metrics)
 
     def data_report(self) -> dict:
         """What the run's data became: data_report.json in the run dir."""
@@ -242,4 +243,4 @@ def build_inputs(cfg: RLHFConfig, reward_fn=None, model=None, tokenizer=None) ->
         name = getattr(reward_fn, "__name__", "reward_fn")
     return RunInputs(device, precision, tokenizer, layout, stops, rows, encode(rows), heldout,
                       encode(heldout, what="heldout_prompts") if heldout else [],
-                      functools.partial(score, reward_fn, name), loaded - len(rows), cuts, split)
+                      functools.partial(score, reward_fn, name), loaded - len(rows), cuts, split, reward_fn)

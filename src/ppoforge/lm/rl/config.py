@@ -16,6 +16,7 @@ from ppoforge.core.policy_losses import POLICY_LOSSES
 from ppoforge.errors import UserError
 from ppoforge.lm.rl.estimators import ESTIMATORS, Estimator
 from ppoforge.runtime.device import check_device_name
+from ppoforge.runtime.metrics import REPORT_TO_HELP, report_sinks
 from ppoforge.runtime.precision import PRECISION_CHOICES
 from ppoforge.runtime.resilience import FaultConfig
 
@@ -225,6 +226,7 @@ class RLHFConfig(FaultConfig):
     log_every: int = param(1, "log metrics and a completions table every this many updates",
                            lo=1, hi=10**9, resume=True)
     tensorboard: bool = param(True, "also write TensorBoard event files", resume=True)
+    report_to: str = param("tensorboard", REPORT_TO_HELP, resume=True)
     progress: bool = param(True, "show a live progress bar", resume=True)
 
     @property
@@ -339,6 +341,7 @@ class RLHFConfig(FaultConfig):
         return f"{title}, {self.env} episodes" if self.env else title
 
     def finalize(self) -> None:
+        report_sinks(self.report_to)
         check_device_name(self.device)
         if self.mini_batch_size is None:  # resolved once here, as micro_batch_size: config.yaml holds the numbers
             self.mini_batch_size = self.rollout_size

@@ -35,6 +35,7 @@ class Drawn(NamedTuple):
     scores: torch.Tensor   # (B,) the global batch's scores as the guard passed them (clipped)
     finite: bool           # every score finite (else the guard skips the update)
     gen_s: float           # seconds spent sampling
+    terms: dict[str, torch.Tensor] | None = None  # (B,) each reward term's global unweighted rewards, by name
 
 
 Draw = Callable[[], Drawn]  # the trainer's: the next batch_size prompts collected and scored
@@ -76,7 +77,8 @@ class DynamicSampling:
         parts = [(d, rows) for d, rows in parts if rows]
         batch = take_rows([(d.batch, rows) for d, rows in parts], self.pad_id)
         scores = torch.cat([d.scores[rows] for d, rows in parts])
-        drawn = Drawn(batch, scores, True, sum(d.gen_s for d in rounds))
+        terms = {k: torch.cat([d.terms[k][rows] for d, rows in parts]) for k in parts[0][0].terms or {}}
+        drawn = Drawn(batch, scores, True, sum(d.gen_s for d in rounds), terms)
         return drawn, self._metrics(rounds, informative, chosen)
 
     def _rows(self, chosen: list[tuple[int, int]], r: int) -> list[int]:

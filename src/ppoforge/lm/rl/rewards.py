@@ -155,7 +155,9 @@ class RewardModelScorer:
 
 
 class WeightedSum:
-    """sum_i weight_i * reward_i, each term checked by `score` so errors name the failing term."""
+    """sum_i weight_i * reward_i, each term checked by `score` so errors name the failing term. The terms'
+    unweighted values of the last call stay in `last_terms` (by `metric_names`) for TRL's per-reward
+    metrics, `rewards/<name>/mean` and `/std` (`term_metrics`)."""
 
     def __init__(self, terms: Sequence[tuple[str, RewardFn, float]]):
         names = [name for name, _, _ in terms]
@@ -166,6 +168,8 @@ class WeightedSum:
             raise UserError(f"reward: {twice[0]} appears more than once; allowed: each reward once "
                             "(scale it with its weight)")
         self.terms = list(terms)
+        self.metric_names = _unique([_metric_name(name) for name in names])
+        self.last_terms: dict[str, list[float]] = {}
 
     def term_values(self, prompts: list[str], completions: list[str], **row_fields) -> dict[str, list[float]]:
         """Each term's unweighted rewards, by name (for per-term metrics)."""
@@ -173,10 +177,37 @@ class WeightedSum:
 
     def __call__(self, prompts: list[str], completions: list[str], **row_fields) -> list[float]:
         values = self.term_values(prompts, completions, **row_fields)
+        self.last_terms = dict(zip(self.metric_names, values.values(), strict=True))
         total = [0.0] * len(completions)
         for (_, _, weight), term in zip(self.terms, values.values(), strict=True):
             total = [t + weight * v for t, v in zip(total, term, strict=True)]
         return total
+
+
+def _metric_name(item: str) -> str:
+    """A reward term's name in metric keys, as TRL names a reward function: `py:mod:fn` -> fn, `eos_penalty:1`
+    -> eos_penalty, `model:PATH` -> model (no path separators in a TensorBoard tag)."""
+    kind, _, rest = item.partition(":")
+    return rest.rpartition(":")[2] if kind == "py" else kind
+
+
+def _unique(names: list[str]) -> list[str]:
+    """Names made unique by a suffix: two reward models are model and model_2."""
+    out, seen = [], {}
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+def term_metrics(terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TRL's per-reward-function metrics over a rollout: `rewards/<name>/mean` and `rewards/<name>/std`
+    (unbiased, TRL's nanstd; 0 for one value) of each term's unweighted rewards."""
+    out = {}
+    for name, x in terms.items():
+        out[f"rewards/{name}/mean"] = x.mean()
+        out[f"rewards/{name}/std"] = x.std() if x.numel() > 1 else torch.zeros((), device=x.device)
+    return out
 
 
 # ---- validation ---------------------------------------------------------------------------------------

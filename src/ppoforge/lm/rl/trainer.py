@@ -54,6 +54,7 @@ from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.rl.dynamic import Drawn, rounds_for
 from ppoforge.lm.rl.heldout import Heldout
 from ppoforge.lm.rl.passes import RolloutPasses
+from ppoforge.lm.rl.rewards import WeightedSum, term_metrics
 from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
 from ppoforge.lm.rl.update import PPOUpdate
 from ppoforge.runtime import distributed, rundir, runstate, trust
@@ -200,7 +201,7 @@ class RLHFTrainer:
         # 1-2. collect and score (`draw`); with dynamic_sampling, groups whose scores all agree are dropped
         #    and fresh prompts drawn in their place (lm/rl/dynamic.py). DAPO's overlong penalty, after the
         #    guard's clip (0 with overlong_buffer 0); old log-probs, values and reference log-probs in passes
-        (batch, all_scores, finite, gen_s), dynamic = self.rounds(self.draw)
+        (batch, all_scores, finite, gen_s, terms), dynamic = self.rounds(self.draw)
         overlong = overlong_penalty(batch.samples.attended.sum(1), cfg.episode_tokens, cfg.overlong_buffer,
                                     cfg.overlong_penalty)
         all_scores = all_scores + distributed.all_gather(overlong)
@@ -225,6 +226,7 @@ class RLHFTrainer:
         self.update += 1
         objective = rollout_metrics(b, batch.samples.finished, kl, non_score, cfg.num_generations)
         objective |= {k: torch.tensor(v, device=b.resp.device) for k, v in self.collector.metrics(batch).items()}
+        objective |= term_metrics(terms or {})  # rewards/<name>/mean and /std, TRL's (global: gathered in draw)
         objective |= {"objective/score_min": all_scores.min(), "objective/score_max": all_scores.max(),  # global
                       "objective/overlong_penalty": overlong.mean()}
         objective = distributed.mean_metrics(objective, summed=("val/num_eos_tokens",))
@@ -272,7 +274,10 @@ class RLHFTrainer:
         gen_s = time.perf_counter() - start
         scores = distributed.all_gather(distributed.checked(self.collector.scores, batch))
         finite, all_scores = self.guard.rewards_ok(scores, self.cfg.reward_clip)
-        return Drawn(batch, all_scores, finite, gen_s)
+        reward = self.inputs.reward_fn  # its terms' values: the rewards/<name>/ metrics
+        terms = ({k: distributed.all_gather(torch.tensor(v, device=scores.device))
+                  for k, v in reward.last_terms.items()} if isinstance(reward, WeightedSum) else None)
+        return Drawn(batch, all_scores, finite, gen_s, terms)
 
     def collect(self, prompts: list[int]) -> Batch:
         """This rank's part of the rollout of the global batch's `prompts` (row indices), each prompt

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ppoforge.config import default_micro_batch, param
 from ppoforge.errors import UserError
 from ppoforge.runtime.device import check_device_name
+from ppoforge.runtime.metrics import REPORT_TO_HELP, report_sinks
 from ppoforge.runtime.precision import PRECISION_CHOICES
 from ppoforge.runtime.resilience import FaultConfig
 
@@ -64,9 +65,11 @@ class SupervisedConfig(FaultConfig):
                                   hi=10**9, resume=True)
     log_every: int = param(1, "log metrics every this many steps", lo=1, hi=10**9, resume=True)
     tensorboard: bool = param(True, "also write TensorBoard event files", resume=True)
+    report_to: str = param("tensorboard", REPORT_TO_HELP, resume=True)
     progress: bool = param(True, "show a live progress bar", resume=True)
 
     def finalize(self) -> None:
+        report_sinks(self.report_to)
         check_device_name(self.device)
         if self.micro_batch_size is None:  # resolved once here: config.yaml and checkpoints hold the number
             self.micro_batch_size = default_micro_batch(self.batch_size)
