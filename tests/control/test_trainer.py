@@ -38,6 +38,10 @@ def test_smoke_params_change_losses_finite_files_written(tmp_path, env_id):
         assert all(isinstance(r[key], float) and math.isfinite(r[key]) for r in rows), key
     assert (tmp_path / CHECKPOINT).exists() and (tmp_path / "config.yaml").exists()
     assert list((tmp_path / "tb").iterdir())
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the schema every trainer writes
+    assert {k: summary[k] for k in ("trainer", "steps", "unit", "stopped_by", "export", "updates")} == \
+        {"trainer": "control", "steps": 384, "unit": "env_step", "stopped_by": None, "export": None, "updates": 6}
+    assert summary["losses/value_loss"] == pytest.approx(rows[-1]["losses/value_loss"])
 
 
 def test_bf16_training_runs_on_cpu(tmp_path):

@@ -32,7 +32,7 @@ from ppoforge.core.advantages import gae
 from ppoforge.runtime import distributed, rundir, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything
 from ppoforge.runtime.device import resolve_device
-from ppoforge.runtime.metrics import open_run_dir, plot_curves
+from ppoforge.runtime.metrics import open_run_dir, plot_curves, write_summary
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
 from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
@@ -147,7 +147,10 @@ class ControlTrainer:
         progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
                             enabled=cfg.progress and main, unit="step")
 
+        last: dict = {}
+
         def after_update(metrics: dict) -> None:
+            last.update(metrics)
             logger.log(self.update * cfg.batch_size, metrics)
             progress.advance(cfg.batch_size, sps=metrics["charts/SPS"], ret=metrics.get("charts/episodic_return"))
 
@@ -158,8 +161,12 @@ class ControlTrainer:
         finally:
             progress.close()
             logger.close()
-        return TrainResult(self.run_dir, self.update * cfg.batch_size, self.update,
-                           [r for r, _ in self.runner.finished], stopped)
+        result = TrainResult(self.run_dir, self.update * cfg.batch_size, self.update,
+                             [r for r, _ in self.runner.finished], stopped)
+        if main:  # no export: the agent is the checkpoint's
+            write_summary(self.run_dir, "control", result.global_step, "env_step", stopped, None, last,
+                          updates=result.updates)
+        return result
 
     def train_one_update(self) -> dict:
         cfg = self.cfg
