@@ -19,6 +19,10 @@
 #   fsdp_world1         the full layout with fsdp: true under torchrun at world 1 (RLHF bf16, then a resume from
 #                       the sharded checkpoint; SFT), against the plain full layout
 #   demo_bf16           ppoforge demo --device cuda --precision bf16 (the held-out VADER score before -> after)
+#   vllm                rollout_engine vllm colocated on the GPU (benchmarks/vllm_gpu_check.py): LoRA fp32 and full
+#                       bf16, sleep mode on, 2 updates each: sync seconds, log-prob mismatch, peak memory, a greedy
+#                       continuation against the training model's (GPU_CHECK_VLLM_PYTHON: a python with vLLM,
+#                       default .venv-vllm/bin/python, else the main one; skipped when neither imports vllm)
 #   grpo_vs_trl         benchmarks/rlhf_vs_trl.py --grpo on the Qwen2.5-0.5B-shaped workload (qwen05b), on the GPU
 #   ppo_vs_trl          the same for PPO (TRL's 4 models against ppoforge full and lora)
 # The TRL comparisons need .bench-venvs/trl with TRL 1.12 and a CUDA torch; without it (no internet to make
@@ -287,7 +291,16 @@ def figures_env(args):
     return out, []
 
 
-FIGURES = {"metrics": figures_metrics, "fp16": figures_fp16, "doctor": figures_doctor, "collective": figures_collective,
+def figures_json(args):
+    """A step that writes its own figures: {"...": ..., "problems": [...]} in args[0]."""
+    try:
+        res = json.loads(Path(args[0]).read_text())
+    except (OSError, ValueError) as e:
+        return {"error": f"no result file: {e}"}, ["the step wrote no result"]
+    return res, list(res.get("problems", []))
+
+
+FIGURES = {"json": figures_json, "metrics": figures_metrics, "fp16": figures_fp16, "doctor": figures_doctor, "collective": figures_collective,
            "demo": figures_demo, "bench": figures_bench, "env": figures_env, "none": lambda a: ({}, [])}
 
 
@@ -606,6 +619,16 @@ run_step fsdp_world1 120 "$NOTE_COLL" collective "$WORK/fsdp_world1.json" -- \
 run_step demo_bf16 "$([ "$DRY" = 1 ] && echo 300 || echo 180)" \
   "$([ "$DRY" = 1 ] && echo "dry run: CPU, precision auto, 1 update of 4 prompts")" demo "$R/demo $WORK/logs/demo_bf16.log" -- \
   "$PY" -m ppoforge demo "${DEV[@]}" "${QUIET[@]}" "${DEMO_EXTRA[@]}" --run-dir "$R/demo" --overwrite
+
+# ---- vLLM as the rollout engine, colocated ---------------------------------------------------------------------
+VLLM_PY=${GPU_CHECK_VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}
+[ -x "$VLLM_PY" ] || VLLM_PY=$PY
+if "$VLLM_PY" -c "import vllm" >/dev/null 2>&1; then
+  run_step vllm "$([ "$DRY" = 1 ] && echo 400 || echo 150)" "$([ "$DRY" = 1 ] && echo "dry run: CPU, no sleep mode")" \
+    json "$WORK/vllm.json" -- "$VLLM_PY" benchmarks/vllm_gpu_check.py "$WORK/vllm.json" --device "$DEVICE"
+else
+  want vllm && skip_step vllm "no python with vLLM ($VLLM_PY): make venv-vllm, or pip install 'ppoforge[vllm]'"
+fi
 
 # ---- GRPO and PPO against TRL on the 0.5B-shaped workload -----------------------------------------------------
 TRL_SKIP=""

@@ -68,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ppoforge-batch", type=int, default=None,
                    help="ppoforge's prompts per update (default: the preset's 4, as TRL's): what its faster "
                         "steps can buy; one optimizer step per rollout either way")
+    p.add_argument("--ppoforge-engine", default="auto", choices=["auto", "lean", "hf", "vllm"],
+                   help="ppoforge's rollout_engine (vllm: run this harness with .venv-vllm's python)")
     p.add_argument("--trl-precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--trl-venv", default=str(ROOT / ".bench-venvs" / "trl-current"))
     p.add_argument("--sides", default="ppoforge,trl", help="which to run, in this order")
@@ -261,7 +263,7 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
               *(["--every-updates", str(args.every_updates)] if args.every_updates else [])]
     if name == "ppoforge":
         cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
-               "--precision", args.ppoforge_precision,
+               "--precision", args.ppoforge_precision, "--rollout-engine", args.ppoforge_engine,
                *(["--batch-size", str(args.ppoforge_batch)] if args.ppoforge_batch else []),
                *(["--lm-head-fp32"] if args.ppoforge_lm_head_fp32 else []),
                *(["--emulate-bf16"] if args.ppoforge_emulate_bf16 else [])]
@@ -274,6 +276,7 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
     info = json.loads((out / "run.json").read_text())
     label = (f"ppoforge {info['version']} ({info['resolved_precision']}"
              f"{' emulated' if info.get('emulate_bf16') else ''}, "
+             f"{'vLLM, ' if info.get('rollout_engine') == 'vllm' else ''}"
              f"{info['settings']['batch_size']} prompts/update)" if name == "ppoforge"
              else f"TRL {info['version']} ({'bf16=True' if info['precision'] == 'bf16' else 'bf16=False'})")
     return {"label": label, "run": info, "load": load, "dir": str(out),

@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every-updates", type=int, default=None,
                    help="a snapshot after every this many updates (instead of --every-s)")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="auto")
+    p.add_argument("--rollout-engine", choices=["auto", "lean", "hf", "vllm"], default="auto",
+                   help="ppoforge's rollout engine (vllm: run with a python that has vLLM, make venv-vllm)")
     p.add_argument("--lm-head-fp32", action="store_true", help="lm_head_fp32: the LM head in fp32 under bf16")
     p.add_argument("--emulate-bf16", action="store_true",
                    help="bf16 matmuls computed as bf16 hardware rounds them, at fp32 speed (bf16_emulation.py)")
@@ -75,6 +77,7 @@ def main() -> None:
         "reward": f"py:{HERE / 'learning_task.py'}:answer_reward", "total_updates": 10**6, "seed": args.seed,
         "precision": args.precision, "torch_threads": args.threads, "checkpoint_every": 10**9,
         "tensorboard": False, "progress": False, "lm_head_fp32": args.lm_head_fp32,
+        "rollout_engine": args.rollout_engine,
         **({"batch_size": args.batch_size, "mini_batch_size": args.batch_size * preset["num_generations"]}
            if args.batch_size else {})})
     run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")
@@ -104,7 +107,8 @@ def main() -> None:
                     mark += args.every_s
     (out / "run.json").write_text(json.dumps({
         "framework": "ppoforge", "version": ppoforge.__version__, "torch": torch.__version__,
-        "precision": args.precision, "lm_head_fp32": args.lm_head_fp32, "emulate_bf16": args.emulate_bf16,
+        "precision": args.precision, "lm_head_fp32": args.lm_head_fp32,
+        "rollout_engine": args.rollout_engine, "emulate_bf16": args.emulate_bf16,
         "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
         "updates": trainer.update, "train_s": trained, "completions_per_update": cfg.batch_size * cfg.num_generations,
         "settings": {k: getattr(cfg, k) for k in ("num_generations", "batch_size", "learning_rate", "lora_r",

@@ -38,7 +38,8 @@ def trainer_for(precision: str, layout: str, rows: int, new_tokens: int, engine:
     from ppoforge.lm.rl.config import RLHFConfig
     from ppoforge.lm.rl.trainer import RLHFTrainer
 
-    cfg = build_config(RLHFConfig, dict(model="smollm2", prompts="demo", heldout_prompts=None, layout=layout,
+    cfg = build_config(RLHFConfig, dict(model="smollm2-135m-instruct", prompts="demo", heldout_prompts=None,
+                                        layout=layout,
                                         precision=precision, device="cpu", rollout_engine=engine,
                                         batch_size=rows, num_generations=1, advantage="rloo" if rows > 1 else "gae",
                                         max_new_tokens=new_tokens, max_prompt_tokens=48, kl_coef=0.0,
@@ -96,7 +97,8 @@ def measure(precision: str, rows_list: list[int], new_tokens: int, repeats: int)
     full = trainer_for(precision, "full", 8, new_tokens, "lean")
     start = time.perf_counter()
     dtype = full.precision.dtype or torch.float32
-    engine = VLLMEngine(resolve_model("smollm2"), full.layout, torch.device("cpu"), dtype, 8, 48 + new_tokens, 0)
+    engine = VLLMEngine(resolve_model("smollm2-135m-instruct"), full.layout, torch.device("cpu"), dtype, 8,
+                        48 + new_tokens, 0)
     out["engine_start_s"] = time.perf_counter() - start
     syncs = []
     for _ in range(3):
