@@ -108,6 +108,13 @@ def test_a_row_draws_the_same_tokens_whatever_rows_share_its_batch(cfg_for, tmp_
     together = trainer.engine.generate(ids, torch.ones_like(ids), params, u)
     alone = trainer.engine.generate(ids[1:2], torch.ones_like(ids[1:2]), params, u[:, 1:2])
     assert together.response_ids[1].tolist()[:alone.response_ids.shape[1]] == alone.response_ids[0].tolist()
+    # 64 seeded rows at once (the multi-process CPU engine died there: "CPU Generator does not use offset"; the
+    # in-process one does not) draw the same tokens twice
+    many = torch.tensor([trainer.inputs.prompt_ids[i % 3][-6:] for i in range(64)])
+    u64 = torch.rand(8, 64, generator=torch.Generator().manual_seed(2))
+    first = trainer.engine.generate(many, torch.ones_like(many), params, u64)
+    again = trainer.engine.generate(many, torch.ones_like(many), params, u64)
+    assert torch.equal(first.response_ids, again.response_ids)
     trainer.engine.close()
 
 
