@@ -78,6 +78,7 @@ step "a fresh venv at $VENV: $TORCH_SPEC, then the wheel with [lm]"
 run "$WORK/venv.log" "$BASE_PYTHON" -m venv "$VENV"
 run "$WORK/torch.log" "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile "$TORCH_SPEC"
 run "$WORK/install.log" "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile "$WHEEL[lm]"
+run "$WORK/check.log" "$VENV/bin/python" -m pip check  # what [lm] brought agrees with itself
 
 cd "$OUTSIDE"
 export PPOFORGE_CACHE=$OUTSIDE/cache PYTHONNOUSERSITE=1
