@@ -174,13 +174,16 @@ def test_duplicate_term_is_refused():
 
 
 def test_bad_numbers_and_weights():
-    with pytest.raises(UserError, match=r"^reward length:abc: 'abc' is not an integer$"):
+    with pytest.raises(UserError, match=r"^reward length:abc: 'abc' is not an integer; allowed: an integer, e\.g\. "
+                                        r"length:4$"):
         build_reward("length:abc")
-    with pytest.raises(UserError, match=r"^reward eos_penalty:nan: 'nan' is not a finite number$"):
+    with pytest.raises(UserError, match=r"^reward eos_penalty:nan: 'nan' is not a finite number; allowed: a finite "
+                                        r"number, e\.g\. eos_penalty:0\.5$"):
         build_reward("eos_penalty:nan")
     with pytest.raises(UserError, match=r"^reward weights: 1 weights for 2 rewards \(vader, length:3\); "):
         build_reward("vader,length:3", weights="1")
-    with pytest.raises(UserError, match=r"^reward weights: 'x' is not a finite number$"):
+    with pytest.raises(UserError, match=r"^reward weights: 'x' is not a finite number; allowed: a finite number, "
+                                        r"e\.g\. 1,0\.5 "):
         build_reward("vader", weights="x")
 
 
@@ -366,3 +369,11 @@ def test_a_reward_module_whose_import_hangs_times_out(tmp_path, tiny_model):
     code, out, err = _reward_run(tmp_path, tiny_model, "hang_at_import", "--call-timeout", "2")
     assert code == 1 and len(error_lines(err)) == 1, (out, err)
     assert f"importing {tmp_path / 'run_reward.py'} did not return within 2 s (call_timeout)" in err
+
+
+@pytest.mark.parametrize("spec", ["length:abc", "eos_penalty:nan", "format:("])
+def test_a_bad_number_or_pattern_in_a_reward_spec_says_what_is_allowed(spec):
+    from ppoforge.lm.rl.rewards import build_reward
+
+    with pytest.raises(UserError, match=r"; allowed: "):
+        build_reward(spec)

@@ -73,7 +73,8 @@ def format_reward(pattern: str) -> RewardFn:
     try:
         regex = re.compile(pattern)
     except re.error as e:
-        raise UserError(f"reward format:{pattern}: invalid regular expression ({e})") from None
+        raise UserError(f"reward format:{pattern}: invalid regular expression ({e}); allowed: a Python regular "
+                        "expression, e.g. format:^Answer: [0-9]+$") from None
 
     def format_match(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
         return [1.0 if regex.search(c) else 0.0 for c in completions]
@@ -260,7 +261,8 @@ def _number(item: str, text: str, kind: type):
         value = None
     if value is None or not math.isfinite(value):
         what = "an integer" if kind is int else "a finite number"
-        raise UserError(f"reward {item}: {text!r} is not {what}")
+        example = "1,0.5 (one per reward)" if item == "weights" else f"{item.split(':')[0]}:{4 if kind is int else 0.5}"
+        raise UserError(f"reward {item}: {text!r} is not {what}; allowed: {what}, e.g. {example}")
     return value
 
 
