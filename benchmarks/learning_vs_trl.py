@@ -263,7 +263,7 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
               *(["--every-updates", str(args.every_updates)] if args.every_updates else [])]
     if name == "ppoforge":
         cmd = [sys.executable, str(HERE / "ppoforge_learning_worker.py"), *common,
-               "--precision", args.ppoforge_precision, "--rollout-engine", args.ppoforge_engine,
+               "--precision", args.ppoforge_precision, "--rollout-engine", getattr(args, "ppoforge_engine", "auto"),
                *(["--batch-size", str(args.ppoforge_batch)] if args.ppoforge_batch else []),
                *(["--lm-head-fp32"] if args.ppoforge_lm_head_fp32 else []),
                *(["--emulate-bf16"] if args.ppoforge_emulate_bf16 else [])]
