@@ -624,7 +624,7 @@ run_step demo_bf16 "$([ "$DRY" = 1 ] && echo 300 || echo 180)" \
 VLLM_PY=${GPU_CHECK_VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}
 [ -x "$VLLM_PY" ] || VLLM_PY=$PY
 if "$VLLM_PY" -c "import vllm" >/dev/null 2>&1; then
-  run_step vllm "$([ "$DRY" = 1 ] && echo 400 || echo 150)" "$([ "$DRY" = 1 ] && echo "dry run: CPU, no sleep mode")" \
+  run_step vllm "$([ "$DRY" = 1 ] && echo 900 || echo 150)" "$([ "$DRY" = 1 ] && echo "dry run: CPU, no sleep mode")" \
     json "$WORK/vllm.json" -- "$VLLM_PY" benchmarks/vllm_gpu_check.py "$WORK/vllm.json" --device "$DEVICE"
 else
   want vllm && skip_step vllm "no python with vLLM ($VLLM_PY): make venv-vllm, or pip install 'ppoforge[vllm]'"
