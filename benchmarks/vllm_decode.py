@@ -57,6 +57,17 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
+def best_sync(engine, repeats: int = 3) -> float:
+    """The best of `repeats` whole syncs (every changed weight pushed, the prefix cache reset)."""
+    engine.take_sync_seconds()
+    syncs = []
+    for _ in range(repeats):
+        engine.weights_changed()
+        engine._wake_and_sync()
+        syncs.append(engine.take_sync_seconds())
+    return min(syncs)
+
+
 def measure(precision: str, rows_list: list[int], new_tokens: int, repeats: int) -> dict:
     from ppoforge.lm.models.attention import left_pad
     from ppoforge.lm.models.engines import LocalEngine
@@ -83,13 +94,7 @@ def measure(precision: str, rows_list: list[int], new_tokens: int, repeats: int)
                   f"({point[name]['ms_per_step']:.1f} ms per step)", flush=True)
         point["vllm_over_lean"] = point["vllm"]["tokens_per_s"] / point["lean"]["tokens_per_s"]
         out["rows"][rows] = point
-    vllm_engine.take_sync_seconds()
-    syncs = []
-    for _ in range(3):
-        vllm_engine.weights_changed()
-        vllm_engine._wake_and_sync()
-        syncs.append(vllm_engine.take_sync_seconds())
-    out["sync_s_lora"] = min(syncs)
+    out["sync_s_lora"] = best_sync(vllm_engine)
     vllm_engine.close()
     # the engine's start alone, and the full layout's sync (every parameter)
     from ppoforge.lm.models.loading import resolve_model
@@ -100,12 +105,7 @@ def measure(precision: str, rows_list: list[int], new_tokens: int, repeats: int)
     engine = VLLMEngine(resolve_model("smollm2-135m-instruct"), full.layout, torch.device("cpu"), dtype, 8,
                         48 + new_tokens, 0)
     out["engine_start_s"] = time.perf_counter() - start
-    syncs = []
-    for _ in range(3):
-        engine.weights_changed()
-        engine._wake_and_sync()
-        syncs.append(engine.take_sync_seconds())
-    out["sync_s_full"] = min(syncs)
+    out["sync_s_full"] = best_sync(engine)
     engine.close()
     print(f"{precision}: engine start {out['engine_start_s']:.1f} s, sync LoRA {out['sync_s_lora']:.3f} s, "
           f"full {out['sync_s_full']:.3f} s", flush=True)

@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from importlib import resources
 from pathlib import Path
 
@@ -39,16 +38,6 @@ from ppoforge.errors import UserError, classify
 from ppoforge.notebook import NotebookOptions, launch
 from ppoforge.runtime import rundir, trust
 from ppoforge.runtime.allocator import keep_freed_memory
-
-
-def _new_run_dir(root: str, name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(root) / f"{name}-{stamp}"
-    suffix = 1
-    while path.exists():
-        suffix += 1
-        path = Path(root) / f"{name}-{stamp}-{suffix}"
-    return path
 
 
 def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]:
@@ -65,7 +54,7 @@ def _config_and_run_dir(args, cls, domain: str, run_name) -> tuple[object, Path]
         trust.check_resume(run_dir, cfg, args.trust_run_dir)
         return cfg, run_dir
     cfg = build_config(cls, {**preset_values(args.preset, args.config, domain), **overrides})
-    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, run_name(cfg))
+    run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(args.runs_root, run_name(cfg))
     return cfg, run_dir
 
 
@@ -216,7 +205,7 @@ def _cmd_demo(args) -> int:
     from ppoforge.lm.rl.demo import run_demo
 
     name = "demo" if args.task == "sentiment" else f"demo-{args.task}"
-    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(args.runs_root, name)
+    run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(args.runs_root, name)
     with _held(args, run_dir):
         run_demo(run_dir, overrides_from_args(args), args.task)
     return 0
