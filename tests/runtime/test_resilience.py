@@ -291,6 +291,11 @@ def test_the_collapse_guard_names_each_sign_against_the_first_update():
     # nor a sparse 0/1 reward whose best mean is a few successes: 0.2 < 25 % of the range 1
     sparse = CollapseGuard(3, "stop")
     assert [sparse.signs(1.0, 0.1, r, 0.0, 1.0 if r else 0.0) for r in (0.1, 0.2, 0.0, 0.0)] == [[]] * 4
+    # nor a reward that pays for length, maximized: every completion at the budget while the mean score is
+    # the run's best (issue 37: `--reward length` stopped as a collapse); below the best it is a sign again
+    longer = CollapseGuard(3, "stop")
+    assert [longer.signs(1.0, c, r, 0.0, r) for c, r in ((0.1, 0.2), (0.6, 0.6), (1.0, 1.0), (1.0, 1.0))] == [[]] * 4
+    assert longer.signs(1.0, 1.0, 0.5, 0.0, 1.0) == ["100% of completions hit max_new_tokens (update 1: 10%)"]
 
 
 def test_the_collapse_guards_flat_reward_needs_more_prompts_in_a_row_than_chance_gives():

@@ -166,7 +166,8 @@ class CollapseGuard:
 
     - entropy: the sampled tokens' mean -log p (nats per token) above `ENTROPY_RATIO` x the first's;
     - budget: at least `BUDGET_SHARE` of the completions end at max_new_tokens without EOS, where at the
-      first update fewer than half did (a policy that never learned EOS is not collapsing);
+      first update fewer than half did (a policy that never learned EOS is not collapsing), and the mean
+      score is below the best the run has reached (a reward that pays for length, maximized, is not either);
     - reward: every score of the rollout equal (no learning signal left), below the best mean the run
       has reached by at least `REWARD_FALL` of the range of scores it has seen (it fell there from real
       progress: a constant reward never trips it, nor a sparse one whose few successes made that best),
@@ -198,7 +199,7 @@ class CollapseGuard:
         out = []
         if entropy > self.ENTROPY_RATIO * first["entropy"] > 0:
             out.append(f"entropy {entropy:.2f} nats/token, {entropy / first['entropy']:.1f}x update 1's")
-        if clipped >= self.BUDGET_SHARE and first["clipped"] < 0.5:
+        if clipped >= self.BUDGET_SHARE and first["clipped"] < 0.5 and reward < self.best_reward:
             out.append(f"{clipped:.0%} of completions hit max_new_tokens (update 1: {first['clipped']:.0%})")
         self.low, self.high = min(self.low, low), max(self.high, high)
         span = self.high - self.low
