@@ -165,8 +165,8 @@ class VLLMEngine:
         prompts = [{"prompt_token_ids": r} for r in rows]
         outs = self._guard(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "generation",
                            self.rollout_timeout, "rollout_timeout")
-        if self.sleep_level:
-            self.llm.sleep(level=self.sleep_level)
+        if self.sleep_level:  # CUDA: its KV cache (and with level 2 its weights) freed for training
+            self._guard(lambda: self.llm.sleep(level=self.sleep_level), "sleep", self.sync_timeout, "sync_timeout")
             self.asleep = True
         return samples_from(outs, params, prompt_ids.device)
 
