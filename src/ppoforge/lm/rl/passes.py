@@ -147,7 +147,7 @@ class RolloutPasses:
                 if p is not None}
         if not distributed.any_true(any(g != 0 for g in gaps.values())):  # the ranks decide alike
             return True
-        diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap)
+        diff = ", ".join(f"{name} by up to {gap:.2g}" for name, gap in gaps.items() if gap) or "on another rank"
         line = (f"the sampler's log-probs are not bit-identical to the training forward's ({diff}), so ppoforge "
                 "is recomputing old log-probs with the training forward (one more forward per update; PPO's "
                 "ratio starts at exactly 1)" if what == "policy" else

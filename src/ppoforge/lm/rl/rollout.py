@@ -111,4 +111,5 @@ def gather_rollout(b: Rollout, pad_id: int) -> Rollout:
 
     return Rollout(distributed.all_gather(both(b.ids, pad_id)), distributed.all_gather(both(b.mask, 0)),
                    resp(b.resp, pad_id), resp(b.resp_mask), resp(b.logp), resp(b.ref_logp), resp(b.values),
-                   distributed.all_gather(b.scores), resp(b.turn_rewards), resp(b.adv), resp(b.ret))
+                   distributed.all_gather(b.scores), resp(b.turn_rewards), behaviour_logp=resp(b.behaviour_logp),
+                   adv=resp(b.adv), ret=resp(b.ret))
