@@ -89,3 +89,29 @@ def test_gspo_with_another_loss_agg_says_so_in_one_line(tiny_lm_dir, capfd):
     build_inputs(cfg, reward_fn=lambda prompts, completions, **kw: [0.0] * len(prompts))
     line = [x for x in capfd.readouterr().err.splitlines() if "loss_agg" in x]
     assert len(line) == 1 and line[0].startswith("ppoforge: loss_agg: token_mean with policy_loss gspo")
+
+
+def test_a_huge_prompt_row_is_tokenized_from_its_tail_with_the_same_tokens_kept(tiny_lm_dir):
+    """Issue 37: one 50 MB row became millions of Python ints before the cut. A text past max_tokens x TAIL_CHARS
+    characters is tokenized from its tail: the same last tokens as the whole text's, its length estimated, and
+    the Python memory of tokenizing it bounded by the tail (a 4 MB row: under 2 MB traced, not tens)."""
+    import tracemalloc
+
+    from ppoforge.lm.models.loading import load_tokenizer
+    from ppoforge.lm.rl.build import TAIL_CHARS, tokenize_prompts
+
+    tok = load_tokenizer(str(tiny_lm_dir))
+    words = "tell a story about the rain and the city at night "
+    long = (words * (20 * TAIL_CHARS // len(words) + 1))  # > 16 x TAIL_CHARS characters: tokenized from its tail
+    whole = tok(long, add_special_tokens=True)["input_ids"]
+    cuts = {}
+    kept = tokenize_prompts(tok, [{"prompt": long}], "prompt", False, 16, cuts=cuts)
+    assert kept == [whole[-16:]]
+    report = cuts["prompts"]
+    assert report["estimated_rows"] == 1 and abs(report["longest"] - len(whole)) <= 0.05 * len(whole)
+    huge = words * (4_000_000 // len(words))
+    tracemalloc.start()
+    tokenize_prompts(tok, [{"prompt": huge}], "prompt", False, 16)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2 * 2**20 + 2 * len(huge), peak  # the text's own slices, not its millions of token ids

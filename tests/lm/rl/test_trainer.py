@@ -477,7 +477,7 @@ def test_a_prompt_longer_than_max_prompt_tokens_is_cut_with_one_line_and_counted
     report = json.loads((tmp_path / "data_report.json").read_text())
     assert report["cut_to_max_prompt_tokens"]["prompts"] == {
         "rows": len(lengths), "cut_rows": len(over), "cut_tokens": sum(over), "longest": max(lengths),
-        "max_prompt_tokens": 4}
+        "max_prompt_tokens": 4, "estimated_rows": 0}
 
 
 def test_prompts_within_max_prompt_tokens_say_nothing(cfg_for, tmp_path, capfd):

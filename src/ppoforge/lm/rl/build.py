@@ -109,21 +109,37 @@ def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
     return tuple(sorted(stops))
 
 
+TAIL_CHARS = 64  # characters per token no tokenizer exceeds in practice: a text's tail this long holds its last tokens
+
+
 def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_tokens: int, what: str = "prompts",
                      cuts: dict | None = None) -> list[list[int]]:
     """Render each prompt (chat template when asked and available), tokenize, keep the last max_tokens. Never
     silently: a cut is one line on stderr (how many rows, how many tokens, the longest prompt) and, given
-    `cuts`, counted there under `what` for the run's data report."""
+    `cuts`, counted there under `what` for the run's data report.
+
+    A text longer than max_tokens x TAIL_CHARS characters is tokenized from its tail alone (what is kept is
+    its last tokens): a 50 MB row would otherwise become millions of Python ints before the cut. Its length
+    in tokens is then estimated from the tail's (`estimated_rows` in the report)."""
     templated = chat and bool(tokenizer.chat_template)
     texts = [render_prompt(tokenizer, r[field], chat) for r in rows]
-    encoded = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
+    limit = max_tokens * TAIL_CHARS
+    encoded = tokenizer([t[-limit:] for t in texts], add_special_tokens=not templated)["input_ids"]
+    lengths = [len(ids) for ids in encoded]
+    for i, text in enumerate(texts):
+        if len(text) > limit:  # the tail's first token may be a word cut in two: it is among those dropped
+            if len(encoded[i]) <= max_tokens:  # no tokenizer makes tokens this long; if one does, the whole text
+                encoded[i] = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+                lengths[i] = len(encoded[i])
+            else:
+                lengths[i] = round(len(encoded[i]) * len(text) / limit)
     out = [ids[-max_tokens:] for ids in encoded]
     if any(not ids for ids in out):
         raise UserError(f"prompts: a prompt of field {field!r} tokenizes to no tokens")
-    over = [len(ids) - max_tokens for ids in encoded if len(ids) > max_tokens]
+    over = [n - max_tokens for n in lengths if n > max_tokens]
     if cuts is not None:
-        cuts[what] = {"rows": len(rows), "cut_rows": len(over), "cut_tokens": sum(over),
-                      "longest": max(len(ids) for ids in encoded), "max_prompt_tokens": max_tokens}
+        cuts[what] = {"rows": len(rows), "cut_rows": len(over), "cut_tokens": sum(over), "longest": max(lengths),
+                      "max_prompt_tokens": max_tokens, "estimated_rows": sum(len(t) > limit for t in texts)}
     if over and distributed.world().is_main:
         print(f"ppoforge: {what}: {len(over)} of {len(rows)} prompts are longer than max_prompt_tokens {max_tokens} "
               f"(the longest {max_tokens + max(over)} tokens): their first {sum(over)} tokens in all are cut, the last "
