@@ -325,7 +325,7 @@ def test_sft_and_reward_two_ranks_equal_one_rank(kind, tiny_lm_dir, tiny_reward_
     for a, b in zip(m1, m2, strict=True):
         for key, value in _strip([a])[0].items():
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
-    assert (two / "model" / "config.json").is_file()
+    assert (two / "model" / "adapter_config.json").is_file()  # LoRA: the adapter (`export: adapter`), rank 0's
 
 
 EXIT_RECORDER = textwrap.dedent("""
