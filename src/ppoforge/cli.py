@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 from importlib import resources
@@ -289,6 +290,8 @@ def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("PPOFORGE_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
+    if not debug:  # the hub's retry warnings ("Retrying in 4s [Retry 3/5]") before a failure: its one line says it
+        logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
     try:
         args = build_parser(HANDLERS).parse_args(argv)
         if getattr(args, "print_config", False):

@@ -250,3 +250,21 @@ def test_smollm2_builds_cache_and_generates(smollm2_cache, monkeypatch, capsys):
     batch = tok([prompt], return_tensors="pt", add_special_tokens=False)
     out = model.generate(**batch, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, batch.input_ids.shape[1]:])
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_is_one_line_without_the_hubs_retry_warnings(tmp_path):
+    """Issue 37: five "Retrying in 4s [Retry 3/5]" warnings came before the one error line (a process of its own:
+    the hub's logging handler writes to the real stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # a closed port
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.run([sys.executable, "-m", "ppoforge", "train", "rlhf", "--model", "someorg/nomodel",
+                           "--prompts", "demo", "--total-updates", "1", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, err
+    assert err[0].startswith("ppoforge: error: model: cannot load a tokenizer from someorg/nomodel")
