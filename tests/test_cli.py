@@ -136,3 +136,17 @@ def test_the_rlhf_closing_lines_give_held_out_before_and_after_the_model_and_ten
         out[0].endswith(f"; held-out mean score {before:.3f} -> {after:.3f}"), out
     assert out[1:] == [f"model {run / 'model'} (LoRA adapter, PEFT format); summary {run / 'summary.json'}",
                        f"curves: tensorboard --logdir {run}"], out
+
+
+def test_a_run_whose_every_rollout_was_flat_says_nothing_was_learned(tmp_path, tiny_model, capsys):
+    """Issue 37: a GRPO run whose every group scored alike (no learning signal) ended with a plain "done"."""
+    reward = tmp_path / "same.py"
+    reward.write_text("def reward(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    run = tmp_path / "rl"
+    assert main(["train", "rlhf", "--progress", "false", "--model", str(tiny_model), "--prompts", "demo",
+                 "--heldout-prompts", "none", "--reward", f"py:{reward}:reward", "--advantage", "grpo",
+                 "--num-generations", "2", "--kl-coef", "0", "--total-updates", "2", "--batch-size", "2",
+                 "--max-new-tokens", "2", "--max-prompt-tokens", "16", "--lora-r", "2", "--device", "cpu",
+                 "--tensorboard", "false", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("note: 2 of 2 updates skipped as flat (every group's scores agreed"), out

@@ -129,7 +129,20 @@ def _rlhf_closing(result, cfg) -> str:
         lines.append(f"run dir {result.run_dir} (--resume to finish)")
     if cfg.tensorboard:
         lines.append(f"curves: tensorboard --logdir {result.run_dir}")
+    flat = _flat_updates(result.run_dir / "metrics.jsonl")
+    if flat[1] and flat[0] * 2 >= flat[1]:  # half the updates or more learned nothing: say so, not just "done"
+        lines.append(f"note: {flat[0]} of {_count(flat[1], 'update')} skipped as flat (every group's scores agreed: "
+                     "no learning signal); a reward that tells completions apart, or more num_generations or a "
+                     "higher temperature, gives one")
     return "\n".join(lines)
+
+
+def _flat_updates(metrics: Path) -> tuple[int, int]:
+    """(updates skipped as flat rollouts, updates logged) in a run's metrics.jsonl."""
+    from ppoforge.runtime.metrics import read_metrics  # CLI start-up: only after a run
+
+    rows = [r for r in read_metrics(metrics) if "guard/flat_rollout_skipped" in r] if metrics.is_file() else []
+    return sum(r["guard/flat_rollout_skipped"] == 1.0 for r in rows), len(rows)
 
 
 def _cmd_train_sft(args) -> int:
