@@ -176,7 +176,7 @@ def test_a_resume_refuses_a_config_yaml_edited_by_hand_or_a_checkpoint_from_anot
         "config.yaml and checkpoint of one run (here seed: 1), and on the command line the fields a resume may change "
         "(nonfinite_patience, "
         "nonfinite_action, rollback_lr_factor, max_rollbacks, call_timeout, dist_timeout, total_steps, hand_gradients, "
-        "device, torch_threads, checkpoint_every, tensorboard, progress); a new run for the rest"], err
+        "device, torch_threads, checkpoint_every, tensorboard, report_to, progress); a new run for the rest"], err
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files  # nothing rewritten
     # the same shapes from another run (seed 2, another learning rate): its checkpoint copied over this one's
     (run / "config.yaml").write_text(text)
