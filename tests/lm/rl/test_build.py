@@ -92,17 +92,18 @@ def test_gspo_with_another_loss_agg_says_so_in_one_line(tiny_lm_dir, capfd):
 
 
 def test_a_huge_prompt_row_is_tokenized_from_its_tail_with_the_same_tokens_kept(tiny_lm_dir):
-    """Issue 37: one 50 MB row became millions of Python ints before the cut. A text past max_tokens x TAIL_CHARS
+    """Issue 37: one 50 MB row became millions of Python ints before the cut. A text past max_tokens x CHARS_PER_TOKEN
     characters is tokenized from its tail: the same last tokens as the whole text's, its length estimated, and
     the Python memory of tokenizing it bounded by the tail (a 4 MB row: under 2 MB traced, not tens)."""
     import tracemalloc
 
+    from ppoforge.lm.data.files import CHARS_PER_TOKEN
     from ppoforge.lm.models.loading import load_tokenizer
-    from ppoforge.lm.rl.build import TAIL_CHARS, tokenize_prompts
+    from ppoforge.lm.rl.build import tokenize_prompts
 
     tok = load_tokenizer(str(tiny_lm_dir))
     words = "tell a story about the rain and the city at night "
-    long = (words * (20 * TAIL_CHARS // len(words) + 1))  # > 16 x TAIL_CHARS characters: tokenized from its tail
+    long = words * (20 * CHARS_PER_TOKEN // len(words) + 1)  # > 16 x CHARS_PER_TOKEN characters: from its tail
     whole = tok(long, add_special_tokens=True)["input_ids"]
     cuts = {}
     kept = tokenize_prompts(tok, [{"prompt": long}], "prompt", False, 16, cuts=cuts)

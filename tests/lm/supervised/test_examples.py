@@ -184,3 +184,19 @@ def test_a_margin_float32_cannot_hold_is_refused(chat_tok, margin):
     assert [p.margin for p in pairs] == [3e38] and drops.counts == {"bad_margin": 1}
     with pytest.raises(UserError, match=r"^data: data line 1: margin is .*; allowed: a finite number \(within float32"):
         preference_pairs(rows, "data", chat_tok, 512, strict=True)
+
+
+def test_a_huge_row_is_too_long_before_it_is_tokenized(chat_tok, monkeypatch):
+    """Issue 37: a 50 MB SFT completion took 12.4 GB and 141 s to be left out as too long. A row with more
+    characters than max_length tokens can hold is refused without tokenizing it (the tokenizer is never called)."""
+    from ppoforge.lm.data.files import CHARS_PER_TOKEN
+    from ppoforge.lm.supervised import examples
+
+    huge = "word " * (64 * CHARS_PER_TOKEN)
+    calls = []
+    monkeypatch.setattr(examples, "_encode", lambda *a: calls.append(a) or [])
+    with pytest.raises(examples.RowError, match="characters, more than max_length 64 tokens hold"):
+        examples.sft_example({"prompt": "p", "completion": huge}, chat_tok, 64)
+    with pytest.raises(examples.RowError, match="characters, more than max_length 64 tokens hold"):
+        examples.preference_pair({"prompt": "p", "chosen": huge, "rejected": "b"}, chat_tok, 64)
+    assert calls == []

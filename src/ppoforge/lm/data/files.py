@@ -21,6 +21,11 @@ from pathlib import Path
 
 from ppoforge.errors import UserError
 
+# Characters per token no tokenizer exceeds in practice: a text longer than n x this holds more than n tokens
+# (a prompt's tail this long holds its last n tokens; a row this long cannot fit n), so a huge row is cut or
+# refused without tokenizing all of it (a 50 MB row is millions of token ids).
+CHARS_PER_TOKEN = 64
+
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 ALLOWED_JSON = "one JSON object per line (JSON Lines), or a .json file holding one array of objects"
 ALLOWED_CSV = "a UTF-8 CSV file with a header line and at most the header's number of fields on every line"

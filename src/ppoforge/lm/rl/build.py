@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ppoforge.errors import UserError
+from ppoforge.lm.data.files import CHARS_PER_TOKEN
 from ppoforge.lm.data.prompts import (
     SPLIT_MAX,
     SPLIT_MIN_ROWS,
@@ -109,21 +110,18 @@ def stop_token_ids(tokenizer, model, extra: str | None) -> tuple[int, ...]:
     return tuple(sorted(stops))
 
 
-TAIL_CHARS = 64  # characters per token no tokenizer exceeds in practice: a text's tail this long holds its last tokens
-
-
 def tokenize_prompts(tokenizer, rows: list[dict], field: str, chat: bool, max_tokens: int, what: str = "prompts",
                      cuts: dict | None = None) -> list[list[int]]:
     """Render each prompt (chat template when asked and available), tokenize, keep the last max_tokens. Never
     silently: a cut is one line on stderr (how many rows, how many tokens, the longest prompt) and, given
     `cuts`, counted there under `what` for the run's data report.
 
-    A text longer than max_tokens x TAIL_CHARS characters is tokenized from its tail alone (what is kept is
+    A text longer than max_tokens x CHARS_PER_TOKEN characters is tokenized from its tail alone (what is kept is
     its last tokens): a 50 MB row would otherwise become millions of Python ints before the cut. Its length
     in tokens is then estimated from the tail's (`estimated_rows` in the report)."""
     templated = chat and bool(tokenizer.chat_template)
     texts = [render_prompt(tokenizer, r[field], chat) for r in rows]
-    limit = max_tokens * TAIL_CHARS
+    limit = max_tokens * CHARS_PER_TOKEN
     encoded = tokenizer([t[-limit:] for t in texts], add_special_tokens=not templated)["input_ids"]
     lengths = [len(ids) for ids in encoded]
     for i, text in enumerate(texts):

@@ -22,7 +22,7 @@ from importlib import resources
 
 from ppoforge.config import FLOAT32_MAX, float32_finite
 from ppoforge.errors import UserError
-from ppoforge.lm.data.files import read_json_rows, read_source
+from ppoforge.lm.data.files import CHARS_PER_TOKEN, read_json_rows, read_source
 
 Conversation = list[dict]
 ROLES = ("system", "user", "assistant", "tool")  # the chat-template roles; ShareGPT's human/gpt are not
@@ -162,7 +162,25 @@ def render_plain(tokenizer, prompt: str, completion: str) -> Example:
     return Example(head + tail, [0] * len(head) + [1] * len(tail))
 
 
+def _chars(value) -> int:
+    """Characters of a text, or of a message list's contents (what tokenizing them would read)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(m.get("content", "")) if isinstance(m, dict) and isinstance(m.get("content"), str) else 0
+                   for m in value)
+    return 0
+
+
+def _refuse_huge(max_length: int, *values) -> None:
+    """A row longer than max_length tokens can hold (CHARS_PER_TOKEN) is too long before it is tokenized."""
+    chars = sum(_chars(v) for v in values)
+    if chars > max_length * CHARS_PER_TOKEN:
+        raise RowError("too_long", f"{chars} characters, more than max_length {max_length} tokens hold")
+
+
 def sft_example(row: dict, tokenizer, max_length: int) -> Example:
+    _refuse_huge(max_length, row.get("messages"), row.get("prompt"), row.get("completion"))
     if "messages" in row:
         example = render_turns(tokenizer, _messages(row["messages"], "messages"))
     elif "prompt" in row and "completion" in row:
@@ -253,6 +271,8 @@ def _short(value) -> str:
 def preference_pair(row: dict, tokenizer, max_length: int) -> Pair:
     prompt, chosen, rejected = split_prompt(row)
     _conversation(prompt, chosen), _conversation(prompt, rejected)  # the checks: text, messages, not empty
+    _refuse_huge(max_length, prompt, chosen)
+    _refuse_huge(max_length, prompt, rejected)
     margin = row.get("margin", 0.0)
     if margin is None:
         margin = 0.0
