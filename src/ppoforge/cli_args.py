@@ -50,7 +50,7 @@ FIELD_GROUPS = {
     "sampling": ("max_prompt_tokens", "max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens",
                  "num_generations", "shared_prefix", "dynamic_sampling", "dynamic_sampling_tries",
                  "num_envs", "num_steps", "normalize_obs", "clip_obs", "rollout_engine", "vllm_gpu_memory_utilization",
-                 "vllm_sleep"),
+                 "vllm_sleep", "vllm_lora_sync"),
     "algorithm": ("advantage", "policy_loss", "gamma", "lam", "gae_lambda", "clip", "clip_high", "clip_coef",
                   "value_clip", "clip_vloss", "vf_coef", "ent_coef", "kl_coef", "kl_estimator", "kl_target",
                   "kl_horizon", "kl_in", "scale_rewards", "loss_agg", "whiten_rewards", "mask_truncated",

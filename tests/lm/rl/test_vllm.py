@@ -68,11 +68,12 @@ def _greedy(trainer, prompt: torch.Tensor, n: int) -> torch.Tensor:
     return ids[:, prompt.shape[1]:]
 
 
-@pytest.mark.parametrize("layout", ["lora", "full"])
-def test_after_two_updates_the_engine_holds_the_trained_weights(cfg_for, tmp_path, layout):
+@pytest.mark.parametrize("layout, sync", [("lora", "adapter"), ("lora", "merged"), ("full", "auto")])
+def test_after_two_updates_the_engine_holds_the_trained_weights(cfg_for, tmp_path, layout, sync):
     """Weight sync: after 2 updates (weights moved well past rounding), vLLM's greedy continuations equal the
-    training model's, and its log-probs of sampled tokens equal the training forward's to fp32 rounding."""
-    trainer = RLHFTrainer(cfg_for(layout=layout), tmp_path, reward_fn=length_reward)
+    training model's, and its log-probs of sampled tokens equal the training forward's to fp32 rounding; LoRA
+    synced as the adapter alone (a LoRARequest) and as merged weights, the full layout as every parameter."""
+    trainer = RLHFTrainer(cfg_for(layout=layout, vllm_lora_sync=sync), tmp_path, reward_fn=length_reward)
     prompt = torch.tensor([trainer.inputs.prompt_ids[0][-8:]])  # + 8 new tokens: within max_model_len (16 + 6)
     start = {n: p.detach().clone() for n, p in trainer.layout.named_trainable()}
     before = _training_logp(trainer, torch.cat([prompt, _greedy(trainer, prompt, 8)], 1), prompt.shape[1])
@@ -83,6 +84,10 @@ def test_after_two_updates_the_engine_holds_the_trained_weights(cfg_for, tmp_pat
         assert m["perf/weight_sync_s"] > 0
     greedy = _greedy(trainer, prompt, 8)
     engine = trainer.engine
+    if sync == "adapter":  # a new LoRARequest at each of the 2 syncs, nothing merged into the engine's base
+        assert engine.lora_request is not None and engine.lora_request.lora_int_id == 2
+    else:
+        assert engine.lora_request is None and engine.lora_rank is None
     params = SamplingParams(8, temperature=0.0, pad_id=trainer.tokenizer.pad_token_id)
     engine.weights_changed()  # the last update's step: synced before this generation
     out = engine.generate(prompt, torch.ones_like(prompt), params, torch.rand(8, 1))

@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,7 +74,8 @@ def kv_cache_bytes(config, rows: int, max_model_len: int, dtype: torch.dtype) ->
     return max(MIN_KV_BYTES, int(rows * max_model_len * per_token * KV_MARGIN))
 
 
-def changed_weights(layout, everything: bool = False, vocab: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def changed_weights(layout, everything: bool = False, vocab: int | None = None,
+                    merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights that training changes, by their Hugging Face names. LoRA: every Linear of the
     decoder layers, each adapted one merged (base + scaling * B @ A in fp32, cast to the base's dtype) — a
     whole module at a time, as vLLM stacks q/k/v and gate/up into one; the embeddings and norms never
@@ -100,12 +103,22 @@ def changed_weights(layout, everything: bool = False, vocab: int | None = None) 
             continue
         base = module.get_base_layer() if adapter is not None else module
         weight = base.weight.detach()
-        if adapter is not None:
+        if adapter is not None and merge:  # else the base alone: the engine applies the adapter (LoRARequest)
             a, b, scaling = adapter
             weight = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
         yield f"{name}.weight", weight
         if base.bias is not None:
             yield f"{name}.bias", base.bias.detach()
+
+
+def adapter_rank(layout) -> int | None:
+    """The policy adapter's rank where vLLM can load the adapter itself (LoRARequest): a LoRA layout with plain
+    LoRA on Linear layers, no DoRA, no modules_to_save; else None (the weights are pushed merged)."""
+    peft = getattr(layout, "peft", None)
+    config = peft.peft_config.get("default") if peft is not None else None
+    if config is None or getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+        return None
+    return int(config.r)
 
 
 def _is_linear(model: nn.Module, name: str) -> bool:
@@ -126,8 +139,14 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | Path, layout, device: torch.device, dtype: torch.dtype, rows: int,
                  max_model_len: int, seed: int, gpu_memory_utilization: float = 0.5, sleep: bool = False,
-                 rollout_timeout: float | None = None, sync_timeout: float | None = None):
+                 rollout_timeout: float | None = None, sync_timeout: float | None = None, lora_sync: str = "auto"):
         self.layout, self.gen_batch = layout, rows
+        self.lora_rank = adapter_rank(layout) if lora_sync != "merged" else None  # None: weights pushed merged
+        if lora_sync == "adapter" and self.lora_rank is None:
+            raise UserError("vllm_lora_sync: adapter needs the lora layouts with plain LoRA adapters (no DoRA, no "
+                            "modules_to_save); allowed: auto or merged")
+        self.adapter_dir = tempfile.TemporaryDirectory(prefix="ppoforge-vllm-lora-") if self.lora_rank else None
+        self.lora_request = None  # the adapter the engine generates with, a new id at every sync
         self.rollout_timeout, self.sync_timeout = rollout_timeout, sync_timeout
         self.sleep_level = (1 if hasattr(layout, "peft") else 2) if sleep and device.type == "cuda" else 0
         self.stale, self.asleep, self.sync_s, self.synced = True, False, 0.0, False
@@ -141,6 +160,8 @@ class VLLMEngine:
         kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
                       max_num_seqs=max(rows, 1), skip_tokenizer_init=True, enable_prefix_caching=True,
                       logprobs_mode="processed_logprobs", enforce_eager=device.type != "cuda")
+        if self.lora_rank:
+            kwargs |= dict(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1)
         if device.type == "cuda":
             kwargs |= dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0)
         else:
@@ -163,8 +184,8 @@ class VLLMEngine:
                                         stop_token_ids=list(params.stop_ids), ignore_eos=True, logprobs=0,
                                         detokenize=False, seed=s) for s in seeds]
         prompts = [{"prompt_token_ids": r} for r in rows]
-        outs = self._guard(lambda: self.llm.generate(prompts, sp, use_tqdm=False), "generation",
-                           self.rollout_timeout, "rollout_timeout")
+        outs = self._guard(lambda: self.llm.generate(prompts, sp, use_tqdm=False, lora_request=self.lora_request),
+                           "generation", self.rollout_timeout, "rollout_timeout")
         if self.sleep_level:  # CUDA: its KV cache (and with level 2 its weights) freed for training
             self._guard(lambda: self.llm.sleep(level=self.sleep_level), "sleep", self.sync_timeout, "sync_timeout")
             self.asleep = True
@@ -178,6 +199,8 @@ class VLLMEngine:
         return s
 
     def close(self) -> None:
+        if getattr(self, "adapter_dir", None) is not None:
+            self.adapter_dir.cleanup()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             with contextlib.suppress(Exception):
@@ -198,9 +221,23 @@ class VLLMEngine:
 
     @torch.no_grad()
     def _push(self) -> None:
-        # one in-place reload over a stream of tensors: vLLM buffers a layer until its last tensor arrives,
-        # then processes it, so the peak is one layer (merged LoRA weights are made one module at a time)
-        self.llm.collective_rpc(_load_weights, args=(changed_weights(self.layout, not self.synced, self.vocab),))
+        if self.lora_rank:  # the adapter alone, as a new LoRARequest: vLLM loads it, the base stays as it is
+            from vllm.lora.request import LoRARequest  # optional extra: vLLM, imported by __init__ already
+
+            if not self.synced:  # the first sync: the trainer's base, unmerged (module docstring)
+                self.llm.collective_rpc(_load_weights, args=(changed_weights(self.layout, True, self.vocab, False),))
+
+            version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+            path = Path(self.adapter_dir.name) / f"v{version}"
+            self.layout.peft.save_pretrained(str(path), selected_adapters=["default"])
+            old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{version}", version, str(path))
+            if old is not None:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+        else:
+            # one in-place reload over a stream of tensors: vLLM buffers a layer until its last tensor arrives,
+            # then processes it, so the peak is one layer (merged LoRA weights are made one module at a time)
+            self.llm.collective_rpc(_load_weights, args=(changed_weights(self.layout, not self.synced, self.vocab),))
         self.llm.reset_prefix_cache()
         self.synced = True
 

@@ -118,7 +118,7 @@ def engine_for(cfg: RLHFConfig, inputs: RunInputs, gen_batch: int) -> RolloutEng
     turns = cfg.episode_tokens if cfg.env else cfg.max_new_tokens
     return VLLMEngine(resolve_model(cfg.model), inputs.layout, inputs.device, dtype, gen_batch,
                       cfg.max_prompt_tokens + turns, cfg.seed, cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
-                      cfg.rollout_timeout, cfg.sync_timeout)
+                      cfg.rollout_timeout, cfg.sync_timeout, cfg.vllm_lora_sync)
 
 
 def _sampling(cfg: RLHFConfig, inputs: RunInputs) -> SamplingParams:
