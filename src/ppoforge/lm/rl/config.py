@@ -214,7 +214,8 @@ class RLHFConfig(FaultConfig):
                              "full weights), freeing its KV cache for training", resume=True)
     vllm_lora_sync: str = param("auto", "vllm with a LoRA layout: adapter (the adapter alone, loaded by vLLM as a "
                                 "LoRARequest at each sync); merged (the adapted weights pushed merged into the "
-                                "base); auto: adapter where vLLM can load it (plain LoRA), else merged",
+                                "base); auto: adapter on CUDA where vLLM can load it (plain LoRA), else merged "
+                                "(on a CPU vLLM's LoRA kernels generate ~5x slower)",
                                 choices=("auto", "adapter", "merged"), resume=True)
     vllm_is_correction: bool = param(False, "vllm: weight each token's policy loss by the truncated importance "
                                      "ratio min(exp(old_logp - vllm_logp), vllm_is_cap) (TRL's / verl's "
