@@ -41,7 +41,7 @@ def trainer_for(precision: str, layout: str, rows: int, new_tokens: int, engine:
     cfg = build_config(RLHFConfig, dict(model="smollm2-135m-instruct", prompts="demo", heldout_prompts=None,
                                         layout=layout,
                                         precision=precision, device="cpu", rollout_engine=engine,
-                                        batch_size=rows, num_generations=1, advantage="rloo" if rows > 1 else "gae",
+                                        batch_size=rows, num_generations=1, advantage="reinforce_pp",
                                         max_new_tokens=new_tokens, max_prompt_tokens=48, kl_coef=0.0,
                                         progress=False, tensorboard=False, total_updates=1))
     return RLHFTrainer(cfg, Path(f"/tmp/vllm-decode-{precision}-{layout}-{engine}"))
