@@ -19,6 +19,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ppoforge.lm.models.export_fields import EXPORT_KINDS
 from ppoforge.lm.models.rows import TokenRows
 from ppoforge.runtime import distributed
 from ppoforge.runtime.fsdp import full_state_dict
@@ -94,7 +95,7 @@ def yielding(context, value):
 
 # ---- export ------------------------------------------------------------------------------------------
 EXPORT_DIR = "model"  # RUN/model: every trainer's export (RLHF runs before issue 39 wrote RUN/policy)
-EXPORT_KINDS = ("adapter", "merged", "both")
+
 MERGED_DIR = "merged"  # `both`: the merged model's folder inside the adapter's
 
 

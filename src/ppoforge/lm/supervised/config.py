@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ppoforge.config import default_micro_batch, param
 from ppoforge.errors import UserError
+from ppoforge.lm.models.export_fields import export_dtype_param, export_param
 from ppoforge.runtime.device import check_device_name
 from ppoforge.runtime.metrics import REPORT_TO_HELP, report_sinks
 from ppoforge.runtime.precision import PRECISION_CHOICES
@@ -27,12 +28,8 @@ class SupervisedConfig(FaultConfig):
     lora_r: int = param(16, "LoRA rank", lo=1, hi=4096)
     lora_alpha: float = param(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0, hi=1e5)
     lora_target_modules: str = param("all-linear", "modules to adapt: all-linear or comma-separated names")
-    export: str = param("adapter", "what RUN/model holds at the end: adapter (LoRA: the adapter alone in PEFT format, "
-                        "as TRL saves), merged (base + adapter as one model), both (the merged model in "
-                        "RUN/model/merged); the full layout saves the whole model",
-                        choices=("adapter", "merged", "both"), resume=True)
-    export_dtype: str = param("auto", "dtype of a merged or full export: auto (the training precision: bf16 in a bf16 "
-                              "run, else fp32), fp32, bf16", choices=("auto", "fp32", "bf16"), resume=True)
+    export: str = export_param()
+    export_dtype: str = export_dtype_param()
     data: str = param("", "training data: a .jsonl/.json/.csv/.parquet file or a datasets name", data=True)
     data_split: str = param("train", "split of a datasets name or folder")
     eval_data: str | None = param(None, "held-out data (same format); none: eval_fraction of data", resume=True)
