@@ -178,15 +178,6 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_max(x: torch.Tensor) -> torch.Tensor:
-    """The elementwise max over ranks (a new tensor; x itself at world 1)."""
-    if not _active:
-        return x
-    y = x.to(_device()).clone()
-    _collective(lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX), y)
-    return y.to(x.device)
-
-
 def reducer():
     """`all_sum` under torchrun, None at world 1 (core functions then take their single-process path)."""
     return all_sum if _active else None

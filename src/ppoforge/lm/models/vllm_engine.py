@@ -47,12 +47,16 @@ KV_MARGIN = 1.25  # the KV cache sized from the rollout, with room for vLLM's bl
 MIN_KV_BYTES = 64 * 2**20
 
 
+class VLLMUnavailable(UserError):
+    """vLLM does not import here (absent, or built for another torch): `rollout_engine: auto` falls back."""
+
+
 def import_vllm():
     """The vllm module, or one line saying how to install it."""
     try:
         import vllm  # optional extra: rollout_engine vllm
     except Exception as e:  # ImportError, or a broken install (e.g. torchvision ops missing beside CPU torch)
-        raise UserError(f"rollout_engine: vllm needs vLLM, which does not import here ({type(e).__name__}: "
+        raise VLLMUnavailable(f"rollout_engine: vllm needs vLLM, which does not import here ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); fix: {INSTALL_FIX}") from None
     return vllm
 

@@ -19,7 +19,6 @@ from typing import Protocol
 
 import torch
 
-from ppoforge.errors import UserError
 from ppoforge.lm.envs.chat import ChatRenderer, prefix_preserving
 from ppoforge.lm.envs.episodes import Budgets, episode_metrics, run_episodes, run_episodes_by_turns
 from ppoforge.lm.envs.loading import load_env
@@ -27,7 +26,7 @@ from ppoforge.lm.models.attention import left_pad
 from ppoforge.lm.models.engines import LocalEngine, RolloutEngine
 from ppoforge.lm.models.loading import resolve_model
 from ppoforge.lm.models.sampler import Samples, SamplingParams, concat_samples, draw_uniforms
-from ppoforge.lm.models.vllm_engine import VLLMEngine, vllm_version
+from ppoforge.lm.models.vllm_engine import VLLMEngine, VLLMUnavailable, vllm_version
 from ppoforge.lm.rl.build import RunInputs
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.runtime import distributed
@@ -121,8 +120,8 @@ def engine_for(cfg: RLHFConfig, inputs: RunInputs, gen_batch: int) -> RolloutEng
         return VLLMEngine(resolve_model(cfg.model), inputs.layout, inputs.device, dtype, gen_batch,
                           cfg.max_prompt_tokens + turns, cfg.seed, cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep,
                           cfg.rollout_timeout, cfg.sync_timeout, cfg.vllm_lora_sync)
-    except UserError as e:  # installed but not importable (a vLLM built for another torch): auto falls back
-        if cfg.rollout_engine != "auto" or "needs vLLM" not in str(e):
+    except VLLMUnavailable as e:  # installed but not importable (built for another torch): auto falls back
+        if cfg.rollout_engine != "auto":
             raise
         print(f"ppoforge: info: rollout_engine auto: {e}; sampling with the {cfg.layout_decoder} decoder instead",
               file=sys.stderr)

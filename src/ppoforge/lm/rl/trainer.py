@@ -107,8 +107,6 @@ class RLHFTrainer:
         distributed.reseed(cfg.seed)
         # fused: one kernel for all tensors (~6x faster than the default on CPU for LoRA's many small ones)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
-        # every optimizer step (whichever code path runs it) makes an engine's own copy of the weights stale
-        self.optimizer.register_step_post_hook(lambda *_: self.engine.weights_changed())
         self.kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
                        else FixedKLController(cfg.kl_coef))
         # the rows every forward over a rollout runs: a prompt's completions as shared-prefix units, or padded
@@ -241,7 +239,7 @@ class RLHFTrainer:
                         "perf/tokens_per_s": metrics["objective/response_length"] * n / elapsed,
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed,
                         "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows),
-                        "perf/weight_sync_s": self.engine.take_sync_seconds(), **engine_gap(b)})
+                        **engine_metrics(self.engine, b)})
         table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
                                          zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
         self.check_collapse(metrics)  # 6. a degenerating policy is named and stopped, not trained on
@@ -319,7 +317,10 @@ class RLHFTrainer:
         return self.ppo(b, self.optimizer, self.kl_ctl.value)
 
     def _mark_optimizing(self) -> None:
+        """Before each optimizer step (PPOUpdate's on_step): the update is optimizing, and an engine holding its
+        own copy of the weights (vLLM) must sync them before it samples again."""
         self.optimizing = True
+        self.engine.weights_changed()
 
     def policy_attention(self) -> str:
         return getattr(self.layout.policy_model.config, "_attn_implementation", "?")
@@ -422,15 +423,16 @@ class RLHFTrainer:
         logger.log_text(self.update, f"completions/{split}", "\n".join(lines))
 
 
-def engine_gap(b: Rollout) -> dict[str, float]:
-    """rollout/logprob_mismatch_mean and _max: |engine log-prob - training forward's| over the policy's tokens
-    (all ranks), where an inexact engine (vLLM) sampled; none with the local engines."""
+def engine_metrics(engine, b: Rollout) -> dict[str, float]:
+    """perf/weight_sync_s; where an inexact engine (vLLM) sampled, rollout/logprob_mismatch_mean and _max:
+    |engine log-prob - training forward's| over the policy's tokens of all ranks."""
+    out = {"perf/weight_sync_s": engine.take_sync_seconds()}
     if b.behaviour_logp is None:
-        return {}
+        return out
     gap = (b.behaviour_logp - b.logp).abs() * b.resp_mask
     total = distributed.all_sum(torch.stack([gap.sum(), b.resp_mask.sum()]))
-    return {"rollout/logprob_mismatch_mean": float(total[0] / total[1].clamp(min=1)),
-            "rollout/logprob_mismatch_max": float(distributed.all_max(gap.max()))}
+    return out | {"rollout/logprob_mismatch_mean": float(total[0] / total[1].clamp(min=1)),
+                  "rollout/logprob_mismatch_max": float(distributed.all_gather(gap.max().reshape(1)).max())}
 
 
 def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
