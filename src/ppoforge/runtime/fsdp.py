@@ -151,6 +151,12 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP2 shard (a DTensor) all-gathered, a plain tensor as it is. Collective for a
+    shard: every rank must gather the same parameters in the same order."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model`'s whole state dict on the CPU, every shard gathered (collective: every rank calls it)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -293,3 +293,55 @@ def test_two_ranks_each_with_its_own_engine_equal_one_process(model_dir, prompts
         for key in ("objective/scores", "rollout/logprob_mismatch_mean", "objective/response_length"):
             if key in r1:
                 assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.torchrun
+def test_two_fsdp_ranks_with_their_engines_equal_one_process(model_dir, prompts_file, tmp_path):
+    """Item 2 with FSDP: each rank's engine is synced from the sharded policy (one parameter all-gathered at a
+    time), so the engines sample what the training model would (log-probs within 1e-4 of the sharded forward's,
+    at every update) and two sharded ranks train the one-process numbers."""
+    import subprocess
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import ppoforge
+    from ppoforge.runtime.launch import torchrun
+    from ppoforge.runtime.metrics import read_metrics
+
+    if not hasattr(torch.cpu.Stream, "record_event"):
+        pytest.fail("FSDP2 on CPU needs torch.cpu.Stream.record_event: the vLLM venv's torch must have it")
+    one, two = tmp_path / "one", tmp_path / "two"
+    reward = tmp_path / "chars.py"  # completions' characters: groups never flat, so update 1 steps and syncs
+    reward.write_text("def chars(prompts, completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    extra = ["--total-updates", "2", "--micro-batch-size", "1", "--reward", f"py:{reward}:chars", "--dist-timeout",
+             "120", "--torch-threads", "1", "--max-grad-norm", "1e6", "--layout", "full", "--fsdp", "true",
+             "--learning-rate", "1e-3"]
+    assert main(_cli_args(model_dir, prompts_file, one, *extra)) == 0  # world 1: fsdp shards nothing
+    env = {**os.environ, "PYTHONPATH": str(Path(ppoforge.__file__).parents[1]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(torchrun(_cli_args(model_dir, prompts_file, two, *extra), 2), capture_output=True,
+                          text=True, env=env, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((two / "checkpoint").glob("*.distcp"))) == 2  # sharded: each rank wrote its shards
+
+    def weights(run):
+        dcp_to_torch_save(run / "checkpoint", tmp_path / f"{run.name}.pt")
+        return torch.load(tmp_path / f"{run.name}.pt", weights_only=True)["model"]
+
+    a, b = weights(one), weights(two)
+    initial = load_file(Path(model_dir) / "model.safetensors")
+    assert max(float((a[f"policy.lm.{k}"] - v).abs().max()) for k, v in initial.items()) > 1e-4  # it trained
+    assert a.keys() == b.keys()
+    gap = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    # summation order (FSDP's reduce-scatter): a mean gap ~5e-11, and a handful of elements where Adam's first
+    # steps divide a ~1e-8 gradient by a sqrt(v) of its own size (seen: 3 of 1.4M past 1e-6, the worst 1.3e-5)
+    assert gap.mean() < 1e-8 and int((gap > 1e-6).sum()) <= 10 and gap.max() < 1e-4, (gap.mean(), gap.max())
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["perf/world_size"] for r in m2 if "perf/world_size" in r] == [2, 2]
+    assert [r["guard/flat_rollout_skipped"] for r in m2] == [0.0, 0.0]  # update 1 stepped: update 2 synced it
+    for r1, r2 in zip(m1, m2, strict=True):  # the engines hold the trained weights, gathered from the shards
+        assert r2["rollout/logprob_mismatch_max"] < 1e-4 and r2["perf/weight_sync_s"] > 0, r2
+        for key in ("objective/scores", "rollout/logprob_mismatch_mean", "objective/response_length"):
+            if key in r1:
+                assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key

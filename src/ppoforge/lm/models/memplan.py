@@ -295,8 +295,7 @@ def rlhf_workload(cfg, device: str, world: int = 1) -> Workload:
 def _engine(cfg, device: str) -> dict:
     """The Workload's vLLM fields: rollout_engine vllm (auto: on CUDA where vLLM is installed, as the run picks)."""
     cuda = device.startswith("cuda")
-    if not (cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "auto" and cuda and vllm_version()
-                                             and not cfg.fsdp)):
+    if not (cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "auto" and cuda and vllm_version())):
         return {}
     return {"vllm": True, "vllm_share": cfg.vllm_gpu_memory_utilization if cuda else 0.0,
             "vllm_sleep": cuda and cfg.vllm_sleep}

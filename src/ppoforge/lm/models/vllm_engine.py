@@ -10,7 +10,8 @@ the run's own uniforms (`draw_uniforms`), so a row's draw does not depend on whi
 Weights: the engine starts from the model's checkpoint and is synced before a generation whenever the
 trained weights changed since the last sync (`weights_changed`: every optimizer step, resume, rollback).
 The LoRA layouts push only what the adapters change, each adapted Linear's merged weight W + s·B·A
-(computed in fp32); the full layout pushes the policy's parameters. Both go one decoder layer at a time
+(computed in fp32); the full layout pushes the policy's parameters (with FSDP each rank's engine gets
+them whole, one parameter all-gathered at a time). Both go one decoder layer at a time
 through the model's own `load_weights` (its HF-name mapping and q/k/v, gate/up stacking), so the extra
 memory is one layer's, and the prefix cache is reset after each sync (its KV was computed with the old
 weights). On CUDA with `vllm_sleep`, the engine sleeps between rollouts (level 1 with LoRA: weights
@@ -39,6 +40,7 @@ from torch import nn
 from ppoforge.errors import Fault, UserError
 from ppoforge.lm.models.parts import policy_adapter
 from ppoforge.lm.models.sampler import Samples, SamplingParams
+from ppoforge.runtime.fsdp import whole
 from ppoforge.runtime.timeouts import CallTimeout, StopRequested, call_with_timeout
 
 INSTALL_FIX = ("pip install 'ppoforge[vllm]' on CUDA (the vLLM wheel built for your torch), or `make venv-vllm` "
@@ -85,15 +87,16 @@ def changed_weights(layout, everything: bool = False, vocab: int | None = None,
     whole module at a time, as vLLM stacks q/k/v and gate/up into one; the embeddings and norms never
     change, and go only with `everything` (the first sync: the engine read the checkpoint, the trainer may
     hold another model of that name). The lora-critic layout's critic adapter is not the policy's and is
-    left out. Full: every parameter of the policy. Embedding rows past the checkpoint's `vocab` (a pad token
+    left out. Full: every parameter of the policy (FSDP2's shards gathered one parameter at a time, every rank
+    in the same order: a collective). Embedding rows past the checkpoint's `vocab` (a pad token
     the loader added) are not the engine's."""
     model: nn.Module = layout.policy_model
 
     def fit(name: str, t: torch.Tensor) -> torch.Tensor:
         return t[:vocab] if vocab and ("embed_tokens" in name or name.endswith("lm_head.weight")) else t
 
-    if not hasattr(layout, "peft"):
-        yield from ((name, fit(name, p.detach())) for name, p in model.named_parameters())
+    if not hasattr(layout, "peft"):  # under FSDP each parameter gathered on its own: one whole at a time
+        yield from ((name, fit(name, whole(p.detach()))) for name, p in model.named_parameters())
         return
     if everything:  # the parameters outside the Linears below: embeddings, norms, an untied head
         yield from ((name, fit(name, p.detach())) for name, p in model.named_parameters()

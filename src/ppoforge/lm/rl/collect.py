@@ -111,7 +111,7 @@ def engine_for(cfg: RLHFConfig, inputs: RunInputs, gen_batch: int) -> RolloutEng
     (docs/benchmarks.md measured it no faster than the lean decoder on a CPU), else the layout's decoder."""
     name = cfg.rollout_engine
     if name == "auto":
-        name = "vllm" if inputs.device.type == "cuda" and vllm_version() and not cfg.fsdp else cfg.layout_decoder
+        name = "vllm" if inputs.device.type == "cuda" and vllm_version() else cfg.layout_decoder
     if name != "vllm":
         return LocalEngine(inputs.layout, inputs.precision, gen_batch, "local" if name == "auto" else name)
     dtype = inputs.precision.dtype or torch.float32

@@ -385,11 +385,11 @@ class RLHFConfig(FaultConfig):
         if self.precision == "fp16":
             raise UserError("precision: fp16 is not supported with fsdp (its GradScaler would need a found-inf "
                             "all-reduce across ranks); allowed: fp32, bf16, auto")
-        if self.rollout_engine in ("hf", "vllm"):
-            why = ("would run a collective per decoded token, and rows that end at different steps on different "
-                   "ranks would hang it" if self.rollout_engine == "hf" else "is not built for sharded weights yet")
-            raise UserError(f"rollout_engine: {self.rollout_engine} with fsdp {why}; allowed: auto or lean (fsdp "
-                            "gathers the policy whole for the lean decoder)")
+        if self.rollout_engine == "hf":
+            raise UserError("rollout_engine: hf with fsdp would run a collective per decoded token, and rows that "
+                            "end at different steps on different ranks would hang it; allowed: auto, lean (fsdp "
+                            "gathers the policy whole for the lean decoder) or vllm (each rank's engine synced "
+                            "whole)")
 
     def _check_dapo(self) -> None:
         """Dynamic sampling needs a group baseline and single-turn batches; the overlong ramp fits the budget."""
