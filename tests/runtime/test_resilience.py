@@ -282,9 +282,9 @@ def test_the_collapse_guard_names_each_sign_against_the_first_update():
     guard = CollapseGuard(patience=3, action="stop")
     assert guard.signs(entropy=1.0, clipped=0.1, reward=0.5, low=0.0, high=1.0) == []  # update 1: the baseline
     assert guard.signs(2.0, 0.1, 0.5, 0.0, 1.0) == []  # 2x is the limit, not over it
-    assert guard.signs(2.5, 0.95, 0.0, 0.0, 0.0, prompts=10) == [
+    assert guard.signs(2.5, 0.95, 0.0, 0.0, 0.0, [0.0] * 10) == [
         "entropy 2.50 nats/token, 2.5x update 1's", "95% of completions hit max_new_tokens (update 1: 10%)",
-        "every score 0 for 10 prompts in a row, below the run's best mean 0.5"]  # 0.5 ** 10 < 1e-3
+        "every score 0 for 10 prompts in a row, below the run's best mean 0.5"]  # both earlier prompts scored 1
     # a policy that never learned EOS (update 1 already at the budget) and a constant reward are not collapse
     never = CollapseGuard(3, "stop")
     assert [never.signs(1.0, 1.0, 0.0, 0.0, 0.0) for _ in range(5)] == [[]] * 5
@@ -305,22 +305,42 @@ def test_the_collapse_guards_flat_reward_needs_more_prompts_in_a_row_than_chance
     a flat 0 is named at once."""
     from ppoforge.runtime.resilience import CollapseGuard
 
-    def flat_signs(rate, rollouts):
+    def flat_signs(right, rollouts):
         guard = CollapseGuard(3, "stop")
-        for _ in range(20):  # healthy rollouts: the run's mean (and best) is `rate`
-            guard.signs(1.0, 0.0, rate, 0.0, 1.0, prompts=4)
-        return [guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, prompts=4) != [] for _ in range(rollouts)]
+        for i in range(20):  # healthy rollouts: `right` of every 20 prompts answered (best score 1)
+            bests = [float((4 * i + j) % 20 < right) for j in range(4)]
+            guard.signs(1.0, 0.0, right / 20, 0.0, 1.0, bests)
+        return [guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, [0.0] * 4) != [] for _ in range(rollouts)]
 
-    assert flat_signs(0.35, 6) == [False] * 4 + [True] * 2
-    assert flat_signs(0.9, 2) == [True, True]
+    assert flat_signs(7, 6) == [False] * 4 + [True] * 2  # 35 %
+    assert flat_signs(18, 2) == [True, True]  # 90 %
     guard = CollapseGuard(3, "stop")
-    guard.signs(1.0, 0.0, 0.9, 0.0, 1.0, prompts=4)
-    guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, prompts=4)
-    guard.signs(1.0, 0.0, 0.5, 0.0, 1.0, prompts=4)  # a rollout with a right answer ends the run of flat ones
-    assert guard.flat_prompts == 0
+    guard.signs(1.0, 0.0, 0.9, 0.0, 1.0, [1.0, 1.0, 1.0, 0.0])
+    guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, [0.0] * 4)
+    guard.signs(1.0, 0.0, 0.5, 0.0, 1.0, [1.0, 0.0, 1.0, 0.0])  # a rollout with a right answer ends the streak
+    assert guard.flat_prompts == 0 and len(guard.bests) == 12  # the streak's flat prompts now in the record
     restored = CollapseGuard(3, "stop")
     restored.load_state_dict(guard.state_dict())
     assert vars(restored) == vars(guard)
+
+
+def test_a_sparse_reward_whose_rollouts_are_often_flat_is_no_collapse():
+    """Issue 37: the tiny preset's VADER reward on a tiny model's text is sparse — most completions score 0,
+    1 prompt in 8 a small positive score, one rollout in 8 all 0. The chance test took the run's mean score
+    scaled to its range as p (0.26 here, flat rollouts left out) and named 2 flat rollouts in a row (a 1-in-64
+    event) as a collapse. p is the share of earlier prompts, flat ones included, that scored above the flat
+    score (0.11): 3 flat rollouts in a row pass, 4 (a 1-in-4096 event at this run's rate) are named."""
+    from ppoforge.runtime.resilience import CollapseGuard
+
+    def run(flat_in_a_row):
+        guard = CollapseGuard(3, "stop")
+        guard.signs(1.0, 0.0, 0.3, -0.2, 0.8, [0.8, 0.6, 0.5, 0.5, 0.4, 0.3, 0.3, 0.2] + [0.0] * 7 + [-0.2])
+        for i in range(40):  # 7 rollouts with 2 prompts of 16 above 0, then one all 0
+            bests = [0.0] * 16 if i % 8 == 3 else [0.5, 0.3] + [0.0] * 14
+            guard.signs(1.0, 0.0, sum(bests) / 16, min(bests), max(bests), bests)
+        return [guard.signs(1.0, 0.0, 0.0, 0.0, 0.0, [0.0] * 16) != [] for _ in range(flat_in_a_row)]
+
+    assert run(4) == [False, False, False, True]
 
 
 def test_the_collapse_guard_acts_after_patience_updates_in_a_row_and_resets_on_a_good_one():

@@ -171,11 +171,14 @@ class CollapseGuard:
     - reward: every score of the rollout equal (no learning signal left), below the best mean the run
       has reached by at least `REWARD_FALL` of the range of scores it has seen (it fell there from real
       progress: a constant reward never trips it, nor a sparse one whose few successes made that best),
-      and for so many prompts in a row that chance cannot explain it: with p the run's mean score before
-      these rollouts (scaled to its range: for a 0/1 reward, the rate of right answers), (1 - p) ** prompts
-      <= `REWARD_CHANCE`. Prompts, not completions, are counted: a confident policy answers a prompt's
-      G completions alike, so a rollout of 4 prompts x 8 at p = 0.35 is all wrong once in 6 rollouts,
-      not once in 10^6 (measured: a healthy fp32 GRPO run, two-digit arithmetic, 6 such rollouts in 42).
+      and for so many prompts in a row that chance cannot explain it: with p the share of the run's earlier
+      prompts (the last `HISTORY`, flat rollouts included) whose best score was above this flat score,
+      (1 - p) ** prompts <= `REWARD_CHANCE`. Prompts, not completions, are counted: a confident policy
+      answers a prompt's G completions alike, so a rollout of 4 prompts x 8 at p = 0.35 is all wrong once
+      in 6 rollouts, not once in 10^6 (measured: a healthy fp32 GRPO run, two-digit arithmetic, 6 such
+      rollouts in 42). p is a rate of prompts, not the mean score scaled to its range: a sparse reward (a
+      few small scores, most 0: VADER on a tiny model's text) has a mean near its floor while 1 prompt in
+      8 scores above it, and a flat rollout there is common, not a sign (issue 37).
 
     An update with any sign adds to a streak, one without resets it; at `patience` (0: off) the run
     stops (`Fault`, one line: the signs and what to change) or rolls back (`Rollback`)."""
@@ -184,17 +187,22 @@ class CollapseGuard:
     BUDGET_SHARE = 0.9
     REWARD_FALL = 0.25
     REWARD_CHANCE = 1e-3
+    HISTORY = 4096  # prompts' best scores kept for the chance test
 
     def __init__(self, patience: int, action: str):
         self.patience, self.action = patience, action
         self.first: dict | None = None
         self.best_reward, self.low, self.high, self.streak = -math.inf, math.inf, -math.inf, 0
-        self.reward_sum, self.rollouts, self.flat_prompts = 0.0, 0, 0
+        self.bests: list[float] = []  # each earlier prompt's best score, before the current flat streak
+        self.streak_bests: list[float] = []  # the current streak of flat rollouts' prompts
+        self.flat_prompts = 0
 
     def signs(self, entropy: float, clipped: float, reward: float, low: float, high: float,
-              prompts: int = 1) -> list[str]:
+              bests: list[float] | None = None) -> list[str]:
         """The signs of this rollout: its token entropy, share of completions at the budget, mean score,
-        lowest and highest score, and how many prompts it drew (its independent groups of scores)."""
+        lowest and highest score, and each prompt's best score (its independent groups of scores; None: one
+        group, whose best is `high`)."""
+        bests = [high] if bests is None else list(bests)
         first = self.first = self.first or {"entropy": entropy, "clipped": clipped}
         out = []
         if entropy > self.ENTROPY_RATIO * first["entropy"] > 0:
@@ -204,22 +212,23 @@ class CollapseGuard:
         self.low, self.high = min(self.low, low), max(self.high, high)
         span = self.high - self.low
         if low == high and self.best_reward - reward >= self.REWARD_FALL * span > 0:
-            self.flat_prompts += prompts
-            # the run's rate before the flat rollouts; none seen (a resumed old checkpoint): no evidence yet
-            p = (self.reward_sum / self.rollouts - self.low) / span if self.rollouts else 0.0
-            if (1 - min(max(p, 0.0), 1.0)) ** self.flat_prompts <= self.REWARD_CHANCE:
+            self.flat_prompts += len(bests)
+            self.streak_bests += bests
+            # the run's rate before this streak; none seen (a resumed old checkpoint): no evidence yet
+            p = sum(b > reward for b in self.bests) / len(self.bests) if self.bests else 0.0
+            if (1 - p) ** self.flat_prompts <= self.REWARD_CHANCE:
                 out.append(f"every score {reward:.3g} for {self.flat_prompts} prompts in a row, below the run's "
                            f"best mean {self.best_reward:.3g}")
-        else:
-            self.flat_prompts = 0
-            self.reward_sum, self.rollouts = self.reward_sum + reward, self.rollouts + 1
+        else:  # the streak ended: its flat prompts are part of the run's record from now on
+            self.bests = (self.bests + self.streak_bests + list(bests))[-self.HISTORY:]
+            self.flat_prompts, self.streak_bests = 0, []
         self.best_reward = max(self.best_reward, reward)
         return out
 
     def check(self, update: int, entropy: float, clipped: float, reward: float, low: float, high: float,
-              prompts: int = 1) -> None:
+              bests: list[float] | None = None) -> None:
         """After each update, with its rollout's figures (`signs`); raises when the streak reaches patience."""
-        signs = self.signs(entropy, clipped, reward, low, high, prompts)
+        signs = self.signs(entropy, clipped, reward, low, high, bests)
         self.streak = self.streak + 1 if signs else 0
         if not self.patience or self.streak < self.patience:
             return
@@ -232,15 +241,15 @@ class CollapseGuard:
 
     def state_dict(self) -> dict:
         return {"first": self.first, "best_reward": self.best_reward, "low": self.low, "high": self.high,
-                "streak": self.streak, "reward_sum": self.reward_sum, "rollouts": self.rollouts,
+                "streak": self.streak, "bests": list(self.bests), "streak_bests": list(self.streak_bests),
                 "flat_prompts": self.flat_prompts}
 
     def load_state_dict(self, state: dict) -> None:
         self.first, self.best_reward, self.streak = state["first"], state["best_reward"], state["streak"]
         self.low, self.high = state["low"], state["high"]
-        # checkpoints from before the chance test lack these: the run's mean restarts from here
-        self.reward_sum, self.rollouts = state.get("reward_sum", 0.0), state.get("rollouts", 0)
-        self.flat_prompts = state.get("flat_prompts", 0)
+        # checkpoints from before the per-prompt record lack it: the record restarts from here
+        self.bests, self.streak_bests = list(state.get("bests", [])), list(state.get("streak_bests", []))
+        self.flat_prompts = state.get("flat_prompts", 0) if "bests" in state else 0
 
 
 class RunGuard:

@@ -242,7 +242,7 @@ class RLHFTrainer:
                         **engine_metrics(self.engine, b)})
         table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
                                          zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
-        self.check_collapse(metrics)  # 6. a degenerating policy is named and stopped, not trained on
+        self.check_collapse(metrics, all_scores)  # 6. a degenerating policy is named and stopped, not trained on
         return metrics, table
 
     def set_learning_rate(self) -> float:
@@ -254,11 +254,13 @@ class RLHFTrainer:
             group["lr"] = lr
         return lr
 
-    def check_collapse(self, metrics: dict) -> None:
-        """The collapse guard on this update's rollout: token entropy, share at the budget, scores."""
+    def check_collapse(self, metrics: dict, scores: torch.Tensor) -> None:
+        """The collapse guard on this update's rollout: token entropy, share at the budget, scores (the global
+        rollout's, each prompt's num_generations in a row)."""
+        bests = scores.view(-1, self.cfg.num_generations).amax(1).tolist()
         self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
                             metrics["completions/clipped_ratio"], metrics["objective/scores"],
-                            metrics["objective/score_min"], metrics["objective/score_max"], self.cfg.batch_size)
+                            metrics["objective/score_min"], metrics["objective/score_max"], bests)
         metrics["guard/collapse_streak"] = self.collapse.streak
 
     def draw(self) -> Drawn:
