@@ -82,3 +82,33 @@ def test_the_scoring_peak_stays_flat_when_the_rollout_grows_four_times(wide_mode
     print(f"scoring peak: 16 rows {small:.1f} MiB, 64 rows {large:.1f} MiB in chunks of 8, {whole:.1f} MiB in one pass")
     assert large < 1.1 * small  # flat: the micro-batch's peak (plus the rollout's (B, T) outputs)
     assert whole > 3 * small    # the control: one pass over the rollout grows with it
+
+
+def test_the_lean_reference_pass_holds_one_layers_keys_and_values_whatever_the_depth():
+    """The LoRA layout's reference pass through the lean decoder (`base_hidden`) runs all positions in one
+    pass, so a layer's K/V is dead once the layer is done: 8 layers peak where 2 do, not 6 layers' K/V
+    (16 rows x 256 positions x 2 kv heads x 64 x fp32 x K and V = 4 MiB a layer) higher. Same hidden states."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ppoforge.lm.models.decoders import LlamaDecoder
+    from ppoforge.lm.models.rows import padded
+
+    def peak_and_hidden(layers: int) -> tuple[float, torch.Tensor]:
+        torch.manual_seed(0)
+        config = Qwen2Config(hidden_size=256, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=512, vocab_size=512, max_position_embeddings=512)
+        model = Qwen2ForCausalLM(config).eval()
+        decoder = LlamaDecoder(model)
+        ids = torch.randint(3, 512, (16, 256), generator=torch.Generator().manual_seed(0))
+        rows = padded(ids, torch.ones(16, 256), 128)
+        with torch.inference_mode():
+            decoder.base_hidden(rows)  # the weights prepared once, outside the count
+            with PeakBytes() as mode:
+                hidden = decoder.base_hidden(rows)
+            want = model(ids, output_hidden_states=True).hidden_states[-1][:, -129:-1]
+        assert (hidden - want).abs().max() < 1e-4
+        return mode.peak / 2**20, hidden
+
+    (two, _), (eight, _) = peak_and_hidden(2), peak_and_hidden(8)
+    print(f"lean reference pass peak: 2 layers {two:.1f} MiB, 8 layers {eight:.1f} MiB")
+    assert eight < two + 1.0, (two, eight)

@@ -312,11 +312,12 @@ class LlamaDecoder:
         self._prepare_weights(dtype, x.device)
         return x, dtype
 
-    def _new_caches(self, batch: int, length: int, dtype: torch.dtype, device: torch.device) -> list:
-        """One (k, v) cache pair per layer, (B, kv heads, length, hd) each."""
+    def _new_caches(self, batch: int, length: int, dtype: torch.dtype, device: torch.device,
+                    layers: int | None = None) -> list:
+        """One (k, v) cache pair per layer (or `layers` pairs), (B, kv heads, length, hd) each."""
         shape = (batch, self.n_kv, length, self.head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in self.layers]
+                for _ in range(len(self.layers) if layers is None else layers)]
 
     @torch.no_grad()
     def base_hidden(self, rows: TokenRows) -> torch.Tensor:
@@ -326,7 +327,10 @@ class LlamaDecoder:
         batch, n = rows.ids.shape
         x, dtype = self._embed_and_prepare(rows.ids)
         cos, sin = self.rotary(x, rows.positions)
-        x = self._blocks(x, cos, sin, 0, rows.allowed, self._new_caches(batch, n, dtype, x.device), adapters=False)
+        # every position in one pass: each layer writes all n slots before it reads them, so one (k, v) pair
+        # serves every layer in turn and a layer's K/V is the only one alive
+        caches = self._new_caches(batch, n, dtype, x.device, layers=1) * len(self.layers)
+        x = self._blocks(x, cos, sin, 0, rows.allowed, caches, adapters=False)
         return rows.response(self._norm(x.view(batch, n, -1), self.final_norm))
 
     def prefill(self, prompt_ids, prompt_mask, max_new_tokens):
