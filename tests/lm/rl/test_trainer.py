@@ -545,6 +545,7 @@ def _decoder_run(cfg_for, path, monkeypatch, share: bool) -> tuple[int, int, lis
     real = decoders.LlamaDecoder.__init__
     monkeypatch.setattr(decoders.LlamaDecoder, "__init__",
                         lambda self, *a, **k: real(self, *a, **{**k, "share_frozen": share and k.get("share_frozen")}))
+    monkeypatch.setattr(decoders.LlamaDecoder, "in_place", share)  # the control stacks: a copy
     trainer = RLHFTrainer(cfg_for(lora_r=2, total_updates=1, kl_coef=0.0), path, reward_fn=word_reward)
     monkeypatch.setattr(decoders.LlamaDecoder, "__init__", real)
     peft = trainer.layout.peft
@@ -553,8 +554,8 @@ def _decoder_run(cfg_for, path, monkeypatch, share: bool) -> tuple[int, int, lis
     adapters = _snapshot(trainer.layout.named_trainable())
     _, rows = trainer.train_one_update()
     assert any(not torch.equal(p, adapters[n]) for n, p in trainer.layout.named_trainable())  # it trained
-    stacks = [w for layer in trainer.layout._lean.layers for name in decoders.LINEARS for w in getattr(layer, name)
-              if w is not None]
+    stacks = [w for layer in trainer.layout._lean.layers for name in decoders.LINEARS
+              for w in _flat(getattr(layer, name))]
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for t in [*peft.parameters(), *peft.buffers(), *stacks]}
     return sum(held.values()), sum(model.values()), [r["completion"] for r in rows]
@@ -571,6 +572,51 @@ def test_the_lora_decoder_reads_the_models_own_frozen_weights(cfg_for, tmp_path,
     copied, model_again, rows_again = _decoder_run(cfg_for, tmp_path / "copied", monkeypatch, False)
     assert shared <= 1.05 * model and copied > 1.3 * model_again, (shared, model, copied)
     assert rows == rows_again
+
+
+def test_the_full_layouts_decoder_reads_the_models_own_weights(cfg_for, tmp_path, monkeypatch):
+    """Without oneDNN packing (a GPU's path) and in the weights' own dtype, the full layout's per-rollout
+    decoder holds no copy of the trained weights: q/k/v and gate/up are read as the model's own tensors, not
+    stacked (before: the stacks, ~85 % of the layers' bytes, again). Its samples are the packed path's."""
+    from ppoforge.lm.models import decoders, prepared
+
+    def run(path, pack: bool):
+        held = []
+        real = decoders.LlamaDecoder._prepare_weights
+
+        def spy(self, dtype, device):
+            real(self, dtype, device)
+            parts = [t for layer in self.layers for name in decoders.LINEARS for t in _flat(getattr(layer, name))]
+            held.append({} if pack else {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts})
+
+        with monkeypatch.context() as m:
+            m.setattr(decoders.LlamaDecoder, "_prepare_weights", spy)
+            if not pack:
+                m.setattr(prepared, "packs", lambda dtype, device: False)
+            trainer = RLHFTrainer(cfg_for(layout="full", total_updates=1, kl_coef=0.0), path, reward_fn=word_reward)
+            model = {p.untyped_storage().data_ptr() for p in trainer.layout.policy_model.parameters()}
+            layers = sum(p.numel() * p.element_size() for n, p in trainer.layout.policy_model.named_parameters()
+                         if ".layers." in n)
+            _, rows = trainer.train_one_update()
+        assert held  # the rollout's decoder prepared its weights
+        return sum(n for ptr, n in held[-1].items() if ptr not in model) / layers, [r["completion"] for r in rows]
+
+    own, rows = run(tmp_path / "views", pack=False)
+    _, rows_packed = run(tmp_path / "packed", pack=True)  # CPU: oneDNN's reordered copy (its speed-up)
+    with monkeypatch.context() as m:  # the control: stacked, a copy of most of the layers' bytes
+        m.setattr(decoders.LlamaDecoder, "in_place", False)
+        stacked, rows_stacked = run(tmp_path / "stacked", pack=False)
+    assert own == 0.0 and stacked > 0.5, (own, stacked)
+    assert rows == rows_packed == rows_stacked
+
+
+def _flat(value):
+    """The tensors of a prepared linear: (weight, bias) or ((parts...), None)."""
+    for item in value:
+        if isinstance(item, tuple):
+            yield from _flat(item)
+        elif item is not None:
+            yield item
 
 
 def test_a_lora_run_whose_decoder_shares_the_base_exports_and_resumes(cfg_for, tmp_path, monkeypatch):

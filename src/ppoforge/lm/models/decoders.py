@@ -158,6 +158,8 @@ class LlamaDecoder:
     from a policy closer to the base than the one being trained.
     """
 
+    in_place = True  # read the weights unstacked where a stack would copy them (`_prepare_weights`)
+
     def __init__(self, model: nn.Module, linear_params: LinearParams = plain_linear_params,
                  adapter_params: AdapterParams = no_adapters, share_frozen: bool = False):
         cfg, backbone = model.config, model.base_model
@@ -184,7 +186,11 @@ class LlamaDecoder:
           (autocast re-casts on every call outside one region; same values as its own cast);
         - stack q, k, v and gate, up: 4 matmuls per layer and token instead of 7; with `share_frozen` (the
           LoRA base, frozen and already in the compute dtype) the model's own weights then become views of
-          the stacks, so the decoder adds no copy (on CPU the oneDNN-packed stacks are a copy still);
+          the stacks, so the decoder adds no copy (on CPU the oneDNN-packed stacks are a copy still). The
+          full layout's trained weights, already in the compute dtype and not packed (a GPU's path), are
+          read as they are (`prepared.parts_linear`: 7 matmuls, no copy): stacks would be a second model;
+          under autocast over fp32 weights the cast copy stays (recasting every token step would read
+          each weight three times);
         - on CPU, also reorder them into oneDNN's blocked layout (bf16 where the CPU can). Decoding a few
           rows streams every weight from memory once per token, and plain F.linear repacks it on each call:
           prepacked, the decode's matmuls run ~1.5x faster in bf16, with bit-identical results (tested), and
@@ -194,12 +200,17 @@ class LlamaDecoder:
             return
         cast = lambda wb, dt=dtype: tuple(None if t is None else t.to(dt) for t in wb)  # noqa: E731
         packing = prepared.packs(dtype, device)
+        views = (self.in_place and not packing and not self.share_frozen
+                 and self.linear_params(self.layers[0].modules["qkv"][0])[0].dtype == dtype)
         for layer in self.layers:
             layer.out_features = {}
             for name in LINEARS:  # fuse after the cast: the fp32 originals are never copied
                 originals = [self.linear_params(m) for m in layer.modules[name]]
                 params = [cast(wb) for wb in originals]
                 layer.out_features[name] = [w.shape[0] for w, _ in params]
+                if views:  # the model's own tensors, unstacked (see above)
+                    setattr(layer, name, (tuple(params), None))
+                    continue
                 share = (not packing and self.share_frozen
                          and all(c[0] is o[0] for c, o in zip(params, originals, strict=True)))
                 # shared, the stack becomes the model's weights: a normal tensor even under the sampler's
@@ -218,7 +229,8 @@ class LlamaDecoder:
             self.head, self.head_linear = prepared.pack(head), prepared.packed_linear
         else:
             self.head, self.head_linear = head, F.linear
-        self.linear, self._cast_dtype = (prepared.packed_linear if packing else F.linear), dtype
+        linear = prepared.packed_linear if packing else prepared.parts_linear if views else F.linear
+        self.linear, self._cast_dtype = linear, dtype
 
     def _prepare_adapters(self, dtype: torch.dtype) -> None:
         """Every rollout (the adapters train): cast and stack each group's LoRA matrices."""

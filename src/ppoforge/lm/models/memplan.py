@@ -151,9 +151,10 @@ def components(m: ModelShape, w: Workload) -> dict[str, float]:
            if w.reference and not lora else 0,
            "critic model (trained)": m.params * ADAM_BYTES / shard if w.critic_model else 0,
            "reward model (frozen)": m.params * w.compute_bytes if w.reward_model else 0,
-           # the LoRA base's stacks are the model's own weights unless packed (`LlamaDecoder.share_frozen`)
+           # the LoRA base's stacks are the model's own weights unless packed (`LlamaDecoder.share_frozen`); the
+           # full layout's fp32 weights are read in place in fp32 (`in_place`), cast (a copy) under bf16
            "lean decoder's stacked linears": m.linear_params * w.compute_bytes
-           if w.gen_rows and w.lean_decoder and (w.packed or not lora) else 0}
+           if w.gen_rows and w.lean_decoder and (w.packed or not lora and w.compute_bytes != 4) else 0}
     positions = w.tokens
     kv = 2 * m.layers * w.gen_rows * m.kv_heads * positions * m.head_dim * w.compute_bytes
     # vLLM: its own weights and KV cache (on CUDA its whole share, set in `plan`); none of the local decoder's

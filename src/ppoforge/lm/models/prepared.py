@@ -13,6 +13,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def concat_linears(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -24,6 +25,15 @@ def concat_linears(*params: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[t
     if all(b is None for _, b in params):
         return weight, None
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
+
+
+def parts_linear(x: torch.Tensor, parts: tuple, bias: None = None) -> torch.Tensor:
+    """F.linear over a stack kept as its (weight, bias) parts — the model's own tensors, no stacked copy: one
+    matmul per part, the outputs side by side as the stack's would be (and as the model's own forward
+    computes them, one module at a time)."""
+    if len(parts) == 1:
+        return F.linear(x, *parts[0])
+    return torch.cat([F.linear(x, w, b) for w, b in parts], -1)
 
 
 def share_storage(params: list[tuple[torch.Tensor, torch.Tensor | None]],
