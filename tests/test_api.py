@@ -83,15 +83,28 @@ def test_a_config_coerces_checks_across_fields_and_reads_presets():
     assert ControlConfig.from_preset("cartpole").num_envs == 4 and SFTConfig.from_preset("tiny").lora_r == 8
 
 
-def test_sft_data_is_required_where_training_starts_and_its_model_is_a_path(tmp_path):
+def test_sft_data_is_required_where_training_starts_and_its_model_is_a_causal_lm(tmp_path):
     assert SFTConfig().data == ""  # train_dataset may come later
     with pytest.raises(UserError, match="^data: required; allowed:"):
         SFTTrainer(model="any", args=SFTConfig(), output_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
-    with pytest.raises(UserError, match="^model: SFTTrainer takes a path, hub id or built-in name"):
+    with pytest.raises(UserError, match="^model: a Linear is not a causal LM; allowed: a transformers model"):
         SFTTrainer(model=torch.nn.Linear(2, 2), train_dataset=[{"prompt": "a", "completion": "b"}],
                    output_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_grpo_and_ppo_configs_are_trls_names_for_rlhf_config():
+    from ppoforge import GRPOConfig, PPOConfig
+
+    grpo = GRPOConfig(learning_rate=1e-5, num_generations=4)
+    assert type(grpo) is RLHFConfig and grpo == RLHFConfig.from_preset("grpo", learning_rate=1e-5, num_generations=4)
+    assert (grpo.advantage, grpo.kl_in, grpo.num_generations) == ("grpo", "loss", 4)
+    assert PPOConfig is RLHFConfig and PPOConfig(kl_coef=0.1).advantage == "gae"
+    with pytest.raises(UserError, match="^learning_rate: -1.0 is out of range; allowed: > 0"):
+        GRPOConfig(learning_rate=-1)
+    with pytest.raises(UserError, match="^unknown config key 'beta'; allowed keys:"):
+        GRPOConfig(beta=0.04)
 
 
 def test_step_writes_each_update_and_checkpoints_at_the_configs_cadence(tiny, tmp_path):
@@ -222,6 +235,7 @@ def test_every_python_block_of_docs_api_md_runs(tmp_path, monkeypatch):
         assert len(block.splitlines()) <= 25, f"docs/api.md block {i} is not short"
         exec(compile(block, f"docs/api.md block {i}", "exec"), namespace)  # noqa: S102 - the page's own code
     for folder in ("runs/grpo/model", "runs/sums/model", "runs/by-hand/model", "runs/sft/model", "runs/rm/model",
-                   "tuned", "tuned-adapter"):
+                   "runs/rm-loaded/model", "tuned", "tuned-adapter"):
         assert (tmp_path / folder).is_dir(), folder
+    assert (tmp_path / "runs/cartpole-steps/learning_curve.png").is_file()
     assert (tmp_path / "runs/cartpole/checkpoint.pt").is_file() and namespace["result"].global_step == 2048

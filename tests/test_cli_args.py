@@ -1,6 +1,6 @@
 """The command line as users of other tools type it: sections in --help, a preset's defaults there, --print-config
-and --config (round trip, `preset:` extension), underscores and TRL's names, no abbreviations, one line for an
-unknown option, micro-batches that divide the batch, one precision default."""
+of train, plan and demo and --config (round trip, `preset:` extension), underscores and TRL's names, no
+abbreviations, one line for an unknown option, micro-batches that divide the batch, one precision default."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import yaml
 
 from ppoforge.cli import HANDLERS, main
 from ppoforge.cli_args import FIELD_GROUPS, TRAINERS, build_parser
-from ppoforge.config import build_config, default_micro_batch
+from ppoforge.config import build_config, default_micro_batch, read_preset
 from ppoforge.lm.rl.config import RLHFConfig
 from ppoforge.lm.supervised.config import RewardConfig, SFTConfig
 
@@ -50,15 +50,29 @@ def test_help_is_in_sections_and_a_presets_help_shows_its_values(capsys):
     assert _help_of(out, "--total-updates").endswith("(default: 24 from preset demo)")
 
 
-def test_print_config_round_trips_through_config(capsys, tmp_path):
-    code, first, err = _run(capsys, "train", "rlhf", "--preset", "grpo", "--learning-rate", "3e-6", "--print-config")
+@pytest.mark.parametrize("argv, preset, readers", [
+    (["train", "rlhf", "--preset", "grpo"], ("grpo", "rlhf"), [["train", "rlhf"]]),
+    (["plan", "rlhf", "--preset", "grpo", "--device", "cuda:24GB"], ("grpo", "rlhf"),
+     [["plan", "rlhf"], ["train", "rlhf"]]),
+    (["plan", "sft", "--preset", "tiny"], ("tiny", "sft"), [["plan", "sft"], ["train", "sft"]]),
+    (["plan", "reward", "--preset", "tiny"], ("tiny", "reward"), [["plan", "reward"], ["train", "reward"]]),
+    (["demo", "--task", "arithmetic"], ("arithmetic_demo", "rlhf"), [["train", "rlhf"]]),
+    (["demo"], ("demo", "rlhf"), [["train", "rlhf"]]),
+], ids=["train", "plan-rlhf", "plan-sft", "plan-reward", "demo-arithmetic", "demo"])
+def test_print_config_round_trips_through_config(argv, preset, readers, capsys, tmp_path):
+    """train, plan and demo print the config they would use (exit 0, nothing run); --config reads it back: the
+    same YAML again, from the command itself and from `train` (the demo's: `train rlhf --config FILE`)."""
+    code, first, err = _run(capsys, *argv, "--learning-rate", "3e-6", "--print-config")
     assert code == 0 and not err and not list(tmp_path.iterdir())
     values = yaml.safe_load(first)
-    assert values["learning_rate"] == 3e-6 and values["advantage"] == "grpo"
+    assert values["learning_rate"] == 3e-6
+    assert {k: values[k] for k in read_preset(*preset) if k != "learning_rate"} == \
+        {k: v for k, v in read_preset(*preset).items() if k != "learning_rate"}
     saved = tmp_path / "run.yaml"
     saved.write_text(first)
-    code, second, _ = _run(capsys, "train", "rlhf", "--config", str(saved), "--print-config")
-    assert code == 0 and second == first
+    for reader in readers:
+        code, second, _ = _run(capsys, *reader, "--config", str(saved), "--print-config")
+        assert code == 0 and second == first, reader
 
 
 def test_a_config_file_extends_a_preset_and_flags_override_both(capsys, tmp_path):

@@ -10,6 +10,7 @@ __version__ = "0.2.0"
 
 _LAZY = {"RLHFTrainer": "ppoforge.api", "SFTTrainer": "ppoforge.api", "RewardTrainer": "ppoforge.api",
          "ControlTrainer": "ppoforge.api", "RLHFConfig": "ppoforge.lm.rl.config",
+         "GRPOConfig": "ppoforge.lm.rl.trl_configs", "PPOConfig": "ppoforge.lm.rl.trl_configs",
          "SFTConfig": "ppoforge.lm.supervised.config", "RewardConfig": "ppoforge.lm.supervised.config",
          "ControlConfig": "ppoforge.control.config", "UserError": "ppoforge.errors", "Fault": "ppoforge.errors"}
 __all__ = ["__version__", *_LAZY]

@@ -33,8 +33,16 @@ from pathlib import Path
 
 import yaml
 
-from ppoforge.cli_args import PLAN_KINDS, TRAINERS, build_parser, overrides_from_args
-from ppoforge.config import build_config, config_to_dict, list_presets, preset_values, read_saved_config, resume_config
+from ppoforge.cli_args import DEMO_PRESETS, PLAN_KINDS, TRAINERS, build_parser, overrides_from_args
+from ppoforge.config import (
+    build_config,
+    config_to_dict,
+    list_presets,
+    preset_values,
+    read_preset,
+    read_saved_config,
+    resume_config,
+)
 from ppoforge.errors import UserError, classify
 from ppoforge.notebook import NotebookOptions, launch
 from ppoforge.runtime import rundir, trust
@@ -218,11 +226,17 @@ def _cmd_demo(args) -> int:
     # CLI start-up: the RLHF trainer, transformers and peft load for this command only
     from ppoforge.lm.rl.demo import run_demo
 
+    cfg = _demo_config(args)
     name = "demo" if args.task == "sentiment" else f"demo-{args.task}"
     run_dir = Path(args.run_dir) if args.run_dir else rundir.new_run_dir(args.runs_root, name)
     with _held(args, run_dir):
-        run_demo(run_dir, overrides_from_args(args), args.task)
+        run_demo(run_dir, cfg, args.task)
     return 0
+
+
+def _demo_config(args):
+    """The demo's config: its task's preset (DEMO_PRESETS) with the options on top."""
+    return build_config(TRAINERS["rlhf"], {**read_preset(DEMO_PRESETS[args.task], "rlhf"), **overrides_from_args(args)})
 
 
 def _cmd_doctor(args) -> int:
@@ -256,9 +270,7 @@ def _cmd_plan(args) -> int:
     # CLI start-up: transformers loads for this command only (the model is built on the meta device)
     from ppoforge.lm.models import memplan
 
-    overrides = overrides_from_args(args)
-    target = overrides.pop("device", "cpu")  # a target such as cuda:80GB is not a run's device
-    cfg = build_config(PLAN_KINDS[args.kind], {**preset_values(args.preset, args.config, args.kind), **overrides})
+    cfg, target = _plan_config(args)
     result = memplan.for_config(cfg, args.kind, target, args.world_size)
     if args.json:
         print(json.dumps({"components": result.components, "phases": result.phases, "peak": result.peak,
@@ -269,9 +281,23 @@ def _cmd_plan(args) -> int:
     return 0 if result.fits is not False else 1
 
 
+def _plan_config(args) -> tuple[object, str]:
+    """(the config `plan KIND` plans, the device to plan for: --device, which is not the config's)."""
+    overrides = overrides_from_args(args)
+    target = overrides.pop("device", "cpu")  # a target such as cuda:80GB is not a run's device
+    cfg = build_config(PLAN_KINDS[args.kind], {**preset_values(args.preset, args.config, args.kind), **overrides})
+    return cfg, target
+
+
 def _print_config(args) -> int:
-    """`train DOMAIN --print-config`: the resolved config as YAML (as config.yaml has it; --config reads it back)."""
-    cfg, _ = _config_and_run_dir(args, TRAINERS[args.domain], args.domain, lambda c: "")
+    """`--print-config` of train, plan and demo: the config the command would use as YAML (as config.yaml has it;
+    --config reads it back, `train rlhf --config` the demo's)."""
+    if args.command == "plan":
+        cfg = _plan_config(args)[0]
+    elif args.command == "demo":
+        cfg = _demo_config(args)
+    else:
+        cfg = _config_and_run_dir(args, TRAINERS[args.domain], args.domain, lambda c: "")[0]
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
 

@@ -33,6 +33,7 @@ TRAINERS = {"control": ControlConfig, "rlhf": RLHFConfig, "sft": SFTConfig, "rew
 PLAN_KINDS = {"rlhf": RLHFConfig, "sft": SFTConfig, "reward": RewardConfig}
 RUN_NAMES = {"control": "<env>-s<seed>-<time>", "rlhf": "rlhf-<layout>-s<seed>-<time>",
              "sft": "sft-<layout>-s<seed>-<time>", "reward": "reward-<layout>-s<seed>-<time>"}
+DEMO_PRESETS = {"sentiment": "demo", "arithmetic": "arithmetic_demo"}  # `demo --task` -> its preset (configs/rlhf/)
 TRAIN_HELP = {"control": "PPO on a gymnasium control task", "rlhf": "PPO RLHF of a causal LM against a reward",
               "sft": "supervised fine-tuning of a causal LM (loss on completions)",
               "reward": "a reward model from preference pairs (Bradley-Terry)"}
@@ -216,11 +217,15 @@ def _add_config_files(p: argparse.ArgumentParser, domain: str) -> None:
                    "name its own base: `preset: grpo`); options on the command line override both")
 
 
+def _add_print_config(p: argparse.ArgumentParser, sources: str, reader: str) -> None:
+    p.add_argument("--print-config", action="store_true", help=f"print the resolved config ({sources}) as YAML, as "
+                   f"a run's config.yaml has it, and exit without running; {reader} reads it back")
+
+
 def _add_train_parser(train_sub, domain: str, handler) -> None:
     p = train_sub.add_parser(domain, help=TRAIN_HELP[domain], domain=domain)
     _add_config_files(p, domain)
-    p.add_argument("--print-config", action="store_true", help="print the resolved config (preset, --config, "
-                   "options) as YAML and exit without training; --config reads it back")
+    _add_print_config(p, "preset, --config, options", "--config")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint; refused "
                    "when the code (py: items) or data files its config names changed since the run started (a check "
                    "against drift, recorded in the run dir itself: not against a run dir someone edited, so resume "
@@ -242,6 +247,8 @@ def _add_plan_parser(sub, handler) -> None:
     for kind, cls in PLAN_KINDS.items():
         p = kinds.add_parser(kind, help=f"the memory of `ppoforge train {kind}` with these options", domain=kind)
         _add_config_files(p, kind)
+        _add_print_config(p, "preset, --config, options; not the device planned for",
+                          f"--config (here or of `ppoforge train {kind}`)")
         p.add_argument("--world-size", type=positive_int, default=1,
                        help="GPUs the full layout is sharded over with fsdp (torchrun --nproc_per_node)")
         p.add_argument("--json", action="store_true", help="the plan as JSON")
@@ -267,12 +274,13 @@ def build_parser(handlers: dict) -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="PPO steers SmolLM2-135M-Instruct toward positive sentiment, offline "
                           "(--task arithmetic: GRPO teaches it one-digit sums)", domain="rlhf",
                           usage="%(prog)s [--task NAME] [--OPTION VALUE ...]")
-    demo.add_argument("--task", choices=("sentiment", "arithmetic"), default="sentiment",
+    demo.add_argument("--task", choices=tuple(DEMO_PRESETS), default="sentiment",
                       help="sentiment (default): PPO + VADER, preset demo; arithmetic: GRPO on reasoning-gym "
                       "chain_sum, held-out accuracy before -> after, preset arithmetic_demo (needs ppoforge[tasks])")
     demo.add_argument("--run-dir", help="where to write the run (default: RUNS_ROOT/demo[-TASK]-<time>)")
     demo.add_argument("--runs-root", default="runs", help="parent folder of new run dirs (default: runs)")
     demo.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
+    _add_print_config(demo, "the task's preset and options", "`ppoforge train rlhf --config FILE`")
     add_config_arguments(demo, RLHFConfig)
     demo.set_defaults(func=handlers["demo"])
 

@@ -29,13 +29,13 @@ from ppoforge.control.envs import make_vector_env
 from ppoforge.control.rollout import EnvRunner, Rollout
 from ppoforge.control.update import UpdateStats, make_step, ppo_update
 from ppoforge.core.advantages import gae
-from ppoforge.runtime import distributed, rundir, runstate, trust
+from ppoforge.runtime import distributed, rundir, runloop, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import open_run_dir, plot_curves, write_summary
 from ppoforge.runtime.precision import make_precision
 from ppoforge.runtime.progress import Progress
-from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard
 from ppoforge.runtime.timeouts import call_with_timeout
 
 CHECKPOINT = "checkpoint.pt"
@@ -141,32 +141,51 @@ class ControlTrainer:
 
     # ---- training ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        """Train to total_steps (or a stop signal): `open_run`, the updates with `after_update`, `close_run`,
+        `summarize` (`runtime/runloop.py`; the Python API's `step()` runs them one update at a time)."""
+        return runloop.run(self, self.cfg.num_updates, self.cfg.checkpoint_every)
+
+    def open_run(self) -> None:
+        """Before this process's first update: the run dir's config and logs, the progress bar (and on a fresh run
+        with rollbacks a checkpoint to go back to)."""
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
-        logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.num_envs, "envs"),
-                              self.update * cfg.batch_size, main=main)
-        progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
-                            enabled=cfg.progress and main, unit="step")
-
-        last: dict = {}
-
-        def after_update(metrics: dict) -> None:
-            last.update(metrics)
-            logger.log(self.update * cfg.batch_size, metrics)
-            progress.advance(cfg.batch_size, sps=metrics["charts/SPS"], ret=metrics.get("charts/episodic_return"))
-
+        self.logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.num_envs, "envs"),
+                                   self.update * cfg.batch_size, main=main)
+        self.progress = Progress(cfg.num_updates * cfg.batch_size, self.update * cfg.batch_size,
+                                 enabled=cfg.progress and main, unit="step")
+        self.last: dict = {}  # the last metrics of each name
         try:
             if self.update == 0 and cfg.nonfinite_action == "rollback":
                 self.run_guard.save()  # a rollback needs a checkpoint to go back to
-            stopped = train_loop(self, self.run_guard, cfg.num_updates, cfg.checkpoint_every, after_update)
-        finally:
-            progress.close()
-            logger.close()
-        result = TrainResult(self.run_dir, self.update * cfg.batch_size, self.update,
+        except BaseException:
+            self.close_run()
+            raise
+
+    def after_update(self, metrics: dict) -> None:
+        self.last.update(metrics)
+        self.logger.log(self.update * self.cfg.batch_size, metrics)
+        self.progress.advance(self.cfg.batch_size, sps=metrics["charts/SPS"], ret=metrics.get("charts/episodic_return"))
+
+    def finish(self) -> None:
+        """No export: the agent is the checkpoint's."""
+
+    def close_run(self) -> None:
+        self.progress.close()
+        self.logger.close()
+
+    def summarize(self, stopped: str | None, export: None = None) -> TrainResult:
+        result = TrainResult(self.run_dir, self.update * self.cfg.batch_size, self.update,
                              [r for r, _ in self.runner.finished], stopped)
-        if main:  # no export: the agent is the checkpoint's
-            write_summary(self.run_dir, "control", result.global_step, "env_step", stopped, None, last,
+        if self.world.is_main:
+            write_summary(self.run_dir, "control", result.global_step, "env_step", stopped, None, self.last,
                           updates=result.updates)
         return result
+
+    def plot(self) -> None:
+        """learning_curve.png from metrics.jsonl (rank 0)."""
+        if self.world.is_main:
+            plot_curves(self.run_dir / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",
+                        "losses/approx_kl"], self.run_dir / "learning_curve.png", title=self.cfg.env_id)
 
     def train_one_update(self) -> dict:
         cfg = self.cfg
@@ -206,7 +225,5 @@ def train(cfg: ControlConfig, run_dir: Path, resume: bool = False) -> TrainResul
         if resume:
             trainer.resume()
         result = trainer.run()
-        if trainer.world.is_main:
-            plot_curves(Path(run_dir) / "metrics.jsonl", ["charts/episodic_return", "losses/value_loss",
-                        "losses/approx_kl"], Path(run_dir) / "learning_curve.png", title=cfg.env_id)
+        trainer.plot()
     return result

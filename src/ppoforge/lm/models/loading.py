@@ -254,18 +254,60 @@ def load_reward_model(name_or_path: str, dtype: torch.dtype = torch.float32, dev
     return _finish(model, tokenizer, device)
 
 
+def check_loaded_lm(model) -> None:
+    """An already-loaded model (the Python API's `model=`) that `finish_loaded_lm` takes, else UserError."""
+    if not isinstance(model, PreTrainedModel) or type(model.config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError(f"model: a {type(model).__name__} is not a causal LM; allowed: a transformers model "
+                        "AutoModelForCausalLM loads (e.g. llama, qwen2, gpt2; not a PeftModel), or its path or hub id")
+
+
+def check_loaded_reward_model(model) -> None:
+    """An already-loaded model that `finish_loaded_reward_model` takes (a scalar classifier), else UserError."""
+    mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    if (not isinstance(model, PreTrainedModel) or type(model.config) not in mapping
+            or not isinstance(model, mapping[type(model.config)])):
+        raise UserError(f"model: a {type(model).__name__} is not a sequence classifier; allowed: a transformers "
+                        "model AutoModelForSequenceClassification loads (num_labels=1; not a PeftModel), or its path "
+                        "or hub id")
+    if model.config.num_labels != 1:
+        raise UserError(f"model: the loaded reward model has {model.config.num_labels} labels; allowed: 1 (a scalar "
+                        "reward: AutoModelForSequenceClassification.from_pretrained(path, num_labels=1))")
+
+
+def _copy_in(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of a loaded model with its weights in `dtype` as `from_pretrained(dtype=...)` would load them: the
+    buffers a model computes for itself (not in its state dict: rotary `inv_freq`, built in fp32) keep their dtype,
+    where `.to(dtype)` would round them (a bf16 inv_freq moved the tiny LM's first loss by 2e-5)."""
+    model = copy.deepcopy(model)
+    saved = set(model.state_dict())
+    computed = {name: b for name, b in model.named_buffers() if name not in saved}
+    model = model.to(dtype)
+    for name, b in computed.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, b)
+    return model
+
+
 def finish_loaded_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32,
                      device="cpu") -> PreTrainedModel:
     """An already-loaded causal LM (the Python API's `model=`) made what `load_causal_lm` returns: a copy (the
     caller's model stays as it is) in `dtype`, dropout off, in eval mode, its embeddings sized for `tokenizer`."""
-    if not isinstance(model, PreTrainedModel) or type(model.config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise UserError(f"model: a {type(model).__name__} is not a causal LM; allowed: a transformers model "
-                        "AutoModelForCausalLM loads (e.g. llama, qwen2, gpt2; not a PeftModel), or its path or hub id")
-    model = copy.deepcopy(model).to(dtype)
+    check_loaded_lm(model)
+    model = _copy_in(model, dtype)
     _zero_dropout_config(model.config)
     model = _finish(model, tokenizer, device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def finish_loaded_reward_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                               dtype: torch.dtype = torch.float32, device="cpu") -> PreTrainedModel:
+    """An already-loaded scalar classifier (the Python API's `model=` of a reward model) made what
+    `load_reward_model` returns: a copy in `dtype`, dropout off, in eval mode, its embeddings sized for `tokenizer`."""
+    check_loaded_reward_model(model)
+    model = _copy_in(model, dtype)
+    _zero_dropout_config(model.config)
+    return _finish(model, tokenizer, device)
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase,

@@ -22,7 +22,6 @@ import json
 import textwrap
 from pathlib import Path
 
-from ppoforge.config import build_config, read_preset
 from ppoforge.core.stats import binomial_interval
 from ppoforge.errors import UserError
 from ppoforge.lm.data.prompts import load_prompts
@@ -35,7 +34,6 @@ from ppoforge.runtime.metrics import plot_curves, read_metrics
 from ppoforge.runtime.precision import resolve_precision
 
 SHOWN = 4  # held-out prompts printed before/after
-TASKS = {"sentiment": "demo", "arithmetic": "arithmetic_demo"}  # --task -> its preset
 EVALUATIONS = 4  # arithmetic: held-out accuracy after each quarter of the updates (and before the first)
 
 
@@ -81,8 +79,8 @@ def summary(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def run_demo(run_dir: Path, overrides: dict, task: str = "sentiment") -> None:
-    cfg = build_config(RLHFConfig, {**read_preset(TASKS[task], "rlhf"), **overrides})
+def run_demo(run_dir: Path, cfg: RLHFConfig, task: str = "sentiment") -> None:
+    """The demo of `task` with `cfg` (its preset, `ppoforge demo`'s options on top: cli.py resolves it)."""
     if task == "arithmetic":
         run_arithmetic(cfg, run_dir)
         return

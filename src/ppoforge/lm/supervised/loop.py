@@ -33,18 +33,18 @@ import torch
 
 from ppoforge.config import config_to_dict
 from ppoforge.core.accumulation import token_share
-from ppoforge.lm.models.loading import load_tokenizer
+from ppoforge.lm.models.loading import load_tokenizer, prepare_tokenizer
 from ppoforge.lm.models.parts import EXPORT_DIR, export_dtype
 from ppoforge.lm.supervised.config import SupervisedConfig
 from ppoforge.lm.supervised.examples import read_rows
-from ppoforge.runtime import distributed, runstate, trust
+from ppoforge.runtime import distributed, runloop, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import open_run_dir, write_summary
 from ppoforge.runtime.oom import retry_halving
 from ppoforge.runtime.precision import make_precision, resolve_precision
 from ppoforge.runtime.progress import Progress
-from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.resilience import NonFiniteGuard, RunGuard
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
@@ -243,51 +243,74 @@ class SupervisedTrainer:
         return metrics
 
     def run(self) -> dict:
-        """Train to the end (or a stop signal); returns the last metrics, eval included."""
+        """Train to the end (or a stop signal): `open_run`, the updates with `after_update`, `finish` (the export),
+        `close_run`, `summarize` (`runtime/runloop.py`; the Python API's `step()` runs them one update at a time).
+        Returns the last metrics, eval included."""
+        return runloop.run(self, self.total_steps, self.cfg.checkpoint_every)
+
+    def open_run(self) -> None:
+        """Before this process's first update: the run dir's config and logs, the progress bar; on a fresh run the
+        evaluation before training (and, for rollbacks, a checkpoint to go back to)."""
         cfg, main = self.cfg, self.world.is_main  # rank 0 alone writes the run dir
-        logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "examples"), self.update,
-                              main=main)
-        progress = Progress(self.total_steps, self.update, enabled=cfg.progress and main, unit="step")
-        last: dict = {}
-
-        def after_update(metrics: dict) -> None:
-            if self.update % cfg.eval_every == 0 or self.update == self.total_steps:
-                metrics.update(self.evaluate())
-            last.update(metrics)
-            if self.update % cfg.log_every == 0 or self.update == self.total_steps:
-                logger.log(self.update, metrics)
-            progress.advance(1, loss=metrics["train/loss"], eval=metrics.get("eval/loss"))
-
+        self.logger = open_run_dir(self.run_dir, cfg, distributed.describe(cfg.batch_size, "examples"), self.update,
+                                   main=main)
+        self.progress = Progress(self.total_steps, self.update, enabled=cfg.progress and main, unit="step")
+        self.last: dict = {}  # the last metrics of each name: the run's result
         try:
             if self.update == 0:
                 first = self.evaluate()
-                logger.log(0, first)
-                last.update(first)
+                self.logger.log(0, first)
+                self.last.update(first)
                 if cfg.nonfinite_action == "rollback":
                     self.run_guard.save()
-            stopped = train_loop(self, self.run_guard, self.total_steps, cfg.checkpoint_every, after_update)
-            export = self.run_dir / EXPORT_DIR if self.update == self.total_steps and not stopped else None
-            if export and (main or self.sharded):  # sharded, every rank takes part in gathering
-                self.objective.export(export, cfg.export, export_dtype(cfg.export_dtype, self.precision.name))
-        finally:
-            progress.close()
-            logger.close()
-        if main:
-            write_summary(self.run_dir, self.objective.name, self.update, "step", stopped, export, last)
-        return {"steps": self.update, "stopped_by": stopped, "export": export, **last}
+        except BaseException:
+            self.close_run()
+            raise
+
+    def after_update(self, metrics: dict) -> None:
+        """The evaluation every eval_every steps and at the last, the metrics line every log_every, the progress."""
+        cfg = self.cfg
+        if self.update % cfg.eval_every == 0 or self.update == self.total_steps:
+            metrics.update(self.evaluate())
+        self.last.update(metrics)
+        if self.update % cfg.log_every == 0 or self.update == self.total_steps:
+            self.logger.log(self.update, metrics)
+        self.progress.advance(1, loss=metrics["train/loss"], eval=metrics.get("eval/loss"))
+
+    def finish(self) -> Path:
+        """After the last step: the model exported to RUN/model (`export`, `export_dtype`); returns that folder."""
+        export = self.run_dir / EXPORT_DIR
+        if self.world.is_main or self.sharded:  # sharded, every rank takes part in gathering
+            self.objective.export(export, self.cfg.export, export_dtype(self.cfg.export_dtype, self.precision.name))
+        return export
+
+    def close_run(self) -> None:
+        self.progress.close()
+        self.logger.close()
+
+    def summarize(self, stopped: str | None, export: Path | None) -> dict:
+        """summary.json (rank 0) and the run's result: the last metrics with `steps`, `stopped_by`, `export`."""
+        if self.world.is_main:
+            write_summary(self.run_dir, self.objective.name, self.update, "step", stopped, export, self.last)
+        return {"steps": self.update, "stopped_by": stopped, "export": export, **self.last}
+
+    def plot(self) -> None:
+        """Nothing drawn: the loss curves are metrics.jsonl's and TensorBoard's (`runloop.Loop`)."""
 
 
-def prepare(cfg: SupervisedConfig):
+def prepare(cfg: SupervisedConfig, tokenizer=None, model=None):
     """What an objective needs before it builds its model: threads and seeds set; (the device, the
-    tokenizer: `cfg.tokenizer`, else the model's own)."""
+    tokenizer: a copy of `tokenizer` (the Python API's, already loaded, for its loaded `model`), else
+    `cfg.tokenizer`'s, else the model's own)."""
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     distributed.init(cfg.dist_timeout, device)  # torchrun's process group (nothing at world 1)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
-                               field="tokenizer" if cfg.tokenizer else "model")
-    return device, tokenizer
+    if tokenizer is not None:
+        return device, prepare_tokenizer(tokenizer, model)
+    return device, load_tokenizer(cfg.tokenizer or cfg.model, model=cfg.model,
+                                  field="tokenizer" if cfg.tokenizer else "model")
 
 
 def load_data(cfg: SupervisedConfig, run_dir: Path, tokenizer, build) -> tuple[list, list, list[dict], str, object]:

@@ -22,7 +22,7 @@ import torch
 from ppoforge.core.preference import bradley_terry_loss
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import right_pad
-from ppoforge.lm.models.loading import is_causal, load_reward_model
+from ppoforge.lm.models.loading import finish_loaded_reward_model, is_causal, load_reward_model
 from ppoforge.lm.models.parts import export, lora_config, lora_wrap
 from ppoforge.lm.models.rows import branch_rows, shared_length
 from ppoforge.lm.models.windows import attention_window
@@ -39,16 +39,19 @@ class RewardObjective:
     stat_keys = ("accuracy", "gap")  # what `loss` (bradley_terry_loss) returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
-    def __init__(self, cfg: RewardConfig, run_dir: Path):
+    def __init__(self, cfg: RewardConfig, run_dir: Path, model=None, tokenizer=None):
+        """`model` / `tokenizer`: the Python API's, already loaded (copies are trained), in place of `cfg.model`'s."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.device, self.tokenizer = prepare(cfg)
+        self.device, self.tokenizer = prepare(cfg, tokenizer, model)
         self.train_items, self.eval_items, _, where, drops = load_data(cfg, self.run_dir, self.tokenizer,
                                                                        preference_pairs)
         if not self.train_items:
             raise UserError(f"data: no usable pairs in {where} ({drops.summary(0)}); allowed: rows with chosen "
                             "and rejected (and prompt)")
         dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
-        model = load_reward_model(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+        model = (load_reward_model(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+                 if model is None else finish_loaded_reward_model(model, self.tokenizer, dtype or torch.float32,
+                                                                  self.device))
         self.model = (lora_wrap(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, "SEQ_CLS"))
                       if cfg.layout == "lora" else model.train(False))
         if cfg.layout == "lora":  # peft keeps the score head trainable (modules_to_save), in fp32

@@ -19,7 +19,7 @@ import torch
 from ppoforge.errors import UserError
 from ppoforge.lm.models.attention import as_attention_bias, left_pad
 from ppoforge.lm.models.decoders import HFDecoder
-from ppoforge.lm.models.loading import load_causal_lm
+from ppoforge.lm.models.loading import finish_loaded_lm, load_causal_lm
 from ppoforge.lm.models.logprobs import head_logprobs
 from ppoforge.lm.models.parts import (
     Trunk,
@@ -45,9 +45,10 @@ class SFTObjective:
     stat_keys = ("accuracy_proxy",)  # what `loss` returns besides the loss
     sharded = False  # FSDP2 (`shard`): the model's weights are this rank's shards
 
-    def __init__(self, cfg: SFTConfig, run_dir: Path):
+    def __init__(self, cfg: SFTConfig, run_dir: Path, model=None, tokenizer=None):
+        """`model` / `tokenizer`: the Python API's, already loaded (copies are trained), in place of `cfg.model`'s."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.device, self.tokenizer = prepare(cfg)
+        self.device, self.tokenizer = prepare(cfg, tokenizer, model)
         train, held, self.eval_rows, where, drops = load_data(cfg, self.run_dir, self.tokenizer, sft_examples)
         if not train:
             raise UserError(f"data: no usable rows in {where} ({drops.summary(0)}); allowed: rows with messages, "
@@ -55,7 +56,8 @@ class SFTObjective:
         self.train_items = pack(train, cfg.max_length) if cfg.packing else [[ex] for ex in train]
         self.eval_items = [[ex] for ex in held]
         dtype = make_precision(cfg.precision, self.device).dtype if cfg.layout == "lora" else None
-        model = load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+        model = (load_causal_lm(cfg.model, dtype or torch.float32, self.device, tokenizer=self.tokenizer)
+                 if model is None else finish_loaded_lm(model, self.tokenizer, dtype or torch.float32, self.device))
         if cfg.packing:  # a packed row's block mask is one 4D mask for every layer: full attention (windows.py)
             check_window(model.config, cfg.max_length, f"packed examples of up to max_length {cfg.max_length}",
                          "packing false (one example a row: the model's own masks, exact at any length), or "
