@@ -72,9 +72,7 @@ def autograd_step(agent: ActorCritic, optimizer, precision: Precision, cfg: Cont
         with precision.autocast():
             logp, entropy, values = agent.evaluate(mb["obs"], mb["actions"])
         adv, share = mb["adv"], _share(mb["adv"])  # share: this rank's part of the global minibatch
-        if cfg.norm_adv and share is None and adv.numel() > 1:
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        elif cfg.norm_adv and share is not None:
+        if cfg.norm_adv and (share is not None or adv.numel() > 1):  # one process sums as the ranks do
             mean, var = global_mean_var(adv, None, distributed.all_sum)
             adv = (adv - mean) / (var.sqrt() + 1e-8)
         want = with_stats or share is not None  # under torchrun the stats ride along in the all-reduce

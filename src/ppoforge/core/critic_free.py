@@ -77,11 +77,16 @@ def _scaled(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, scale: st
     if scale == "group":  # float64: a flat group's std is exactly 0, and its advantages are already 0
         std = groups(rewards.double(), group_size).std(1).repeat_interleave(group_size).to(rewards.dtype)
     elif scale == "batch":
-        std = rewards.std() if all_sum is None else global_mean_var(rewards, None, all_sum)[1].sqrt()
+        std = global_mean_var(rewards, None, all_sum or _local)[1].sqrt()  # one process: the same sums
         std = std.expand_as(rewards)
     else:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     return adv / (std + eps)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """`all_sum` at world 1: statistics computed as N ranks compute them, so 1 and N ranks agree."""
+    return t
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = STD_EPS,
@@ -101,7 +106,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none",
         return adv
     if scale != "batch":
         raise ValueError(f"rloo's scale must be one of {RLOO_SCALES}, got {scale!r}")
-    mean, var = (adv.mean(), adv.var()) if all_sum is None else global_mean_var(adv, None, all_sum)
+    mean, var = global_mean_var(adv, None, all_sum or _local)
     return (adv - mean) / (var.sqrt() + eps)
 
 

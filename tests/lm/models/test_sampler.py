@@ -163,7 +163,7 @@ def test_lean_llama_decoder_matches_hf_forward(monkeypatch, family, packing):
     lean, hf = LlamaDecoder(model), HFDecoder(model)
     with torch.inference_mode():
         torch.testing.assert_close(lean.prefill(ids, mask, 4)[0], hf.prefill(ids, mask, 4)[0], atol=1e-5, rtol=1e-5)
-        assert lean.linear is (prepared.packed_linear if packing else torch.nn.functional.linear)
+        assert lean.linear is (prepared.packed_linear if packing else prepared.parts_linear)  # unpacked: in place
         for t, tok in enumerate([[3, 4, 5], [6, 7, 8], [9, 10, 11]]):
             tok = torch.tensor(tok)
             torch.testing.assert_close(lean.step(tok, t)[0], hf.step(tok, t)[0], atol=1e-5, rtol=1e-5)
@@ -191,7 +191,8 @@ def test_bf16_decode_with_prepacked_weights_is_bit_identical(monkeypatch, weight
 
     plain, plain_linear = decode(False)
     packed, packed_linear = decode(True)
-    assert plain_linear is torch.nn.functional.linear
+    # bf16 weights unpacked are read in place (no stacked copy); fp32 ones under autocast are cast and stacked
+    assert plain_linear is (prepared.parts_linear if weights == "bf16" else torch.nn.functional.linear)
     assert packed_linear is prepared.packed_linear
     assert plain[0].dtype == torch.bfloat16  # the logits: bf16 matmuls
     for a, b in zip(plain, packed, strict=True):  # logits and final hidden states, per call
@@ -305,7 +306,7 @@ def test_a_uniform_at_the_top_of_the_cdf_draws_the_last_token_with_mass():
 
 
 def test_a_rare_token_past_the_middle_of_the_cdf_is_drawn_at_its_rate():
-    """A token of p = 1e-3 after the 0.5 mark, 200k seeded draws (draw_uniforms' fp32 uniforms): its count
+    """A token of p = 1e-3 after the 0.5 mark, 200k seeded draws (draw_uniforms' uniforms): its count
     within 5 sigma of 200."""
     vocab, rare, n, p = 4096, 3000, 200_000, 1e-3
     logits = _rare_token_logits(vocab, rare, p)
@@ -314,3 +315,26 @@ def test_a_rare_token_past_the_middle_of_the_cdf_is_drawn_at_its_rate():
     hits = sum(int((draw_tokens(logits.expand(len(part), -1), SamplingParams(1), part)[0] == rare).sum())
                for part in u.split(20_000))
     assert abs(hits - n * p) < 5 * (n * p * (1 - p)) ** 0.5
+
+
+def test_a_token_of_p_1e_8_past_the_middle_of_the_cdf_is_drawn_at_its_rate():
+    """Issue 37: p = 1e-8 past the 0.5 mark is drawn at its rate. Of draw_uniforms' uniforms only those in a
+    window of 2e-6 around the token's place can reach it, so the test draws those alone: uniform on the
+    window at the resolution of draw_uniforms' dtype (fp32's 2^-24 grid has ~33 points there, at most one
+    inside the token's 1e-8: a rate of 0 or 6e-8; float64's 2^-53 grid gives it its share). 100k seeded
+    draws in the window, expected 100k x 1e-8 / 2e-6 = 500 hits: within 5 sigma (fp32 uniforms: 0)."""
+    vocab, rare, p, n, width = 4096, 3000, 1e-8, 100_000, 2e-6
+    logits = _rare_token_logits(vocab, rare, p)
+    probs = torch.log_softmax(logits, -1).exp()
+    cdf = probs.double().cumsum(-1)[0] / probs.double().sum()
+    assert 0.5 < cdf[rare - 1] < cdf[rare] < 1
+    start = float(cdf[rare - 1] + cdf[rare]) / 2 - width / 2  # the window, centred on the token's share
+    generator = torch.Generator().manual_seed(0)
+    dtype = draw_uniforms(SamplingParams(1), 1, generator).dtype
+    step = 2.0 ** -{torch.float32: 24, torch.float64: 53}[dtype]  # torch.rand's grid in that dtype
+    v = torch.rand(n, generator=generator, dtype=torch.float64)
+    u = torch.floor((start + width * v) / step) * step  # uniform on the window's points of that grid
+    hits = sum(int((draw_tokens(logits.expand(len(part), -1), SamplingParams(1), part)[0] == rare).sum())
+               for part in u.split(20_000))
+    share = float(probs[0, rare].double() / probs.double().sum()) / width
+    assert abs(hits - n * share) < 5 * (n * share * (1 - share)) ** 0.5, (hits, n * share, dtype)

@@ -93,11 +93,10 @@ def draw_uniforms(params: SamplingParams, batch: int, generator: torch.Generator
     """The (turns * max_new_tokens, B) uniforms a batch's sampling consumes: one per row, turn and step (turn
     k's step t is row k * max_new_tokens + t; one turn for `sample`, `max_turns` for episodes). Drawn up
     front, so sampling the batch in parts (`sample(..., uniforms=part)`) makes exactly the same draws.
-    fp32: float64 draws broke the equality of one process and two ranks (measured: 5e-5 apart after one PPO
-    update, `tests/lm/test_distributed.py`), cause not found; an fp32 uniform's 2^-24 grid draws a token of
-    p < 6e-8 at a quantized rate (0 or 6e-8), where the float64 CDF gives it its share."""
+    float64, as the CDF they invert: an fp32 uniform's 2^-24 grid would draw a token of p < 6e-8 at a
+    quantized rate (0 or 6e-8) instead of its own (tested at p = 1e-8)."""
     device = generator.device if generator is not None else "cpu"
-    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device)
+    return torch.rand(turns * params.max_new_tokens, batch, generator=generator, device=device, dtype=torch.float64)
 
 
 @torch.inference_mode()
