@@ -1,7 +1,7 @@
-"""A trainer's run strung from its pieces, once for the supervised loop and control PPO (RLHF's `run()` is the same
-sequence): `run` trains to the end as the CLI does, `step` runs one update of it for the Python API's `step()`, and
-`end` closes either after the last update. Both go through `resilience.run_update`, so an update driven by hand
-logs, checkpoints and rolls back exactly as one of `train_loop`'s.
+"""A trainer's run strung from its pieces, once for RLHF, the supervised loop and control PPO: `run` trains to the
+end as the CLI does, `step` runs one update of it for the Python API's `step()`, and `end` closes either after the
+last update. Both go through `resilience.run_update`, so an update driven by hand logs, checkpoints and rolls back
+exactly as one of `train_loop`'s.
 """
 
 from __future__ import annotations

@@ -57,12 +57,12 @@ from ppoforge.lm.rl.passes import RolloutPasses
 from ppoforge.lm.rl.rewards import WeightedSum, term_metrics
 from ppoforge.lm.rl.rollout import Rollout, gather_rollout, non_score_rewards, rollout_kl, rollout_metrics
 from ppoforge.lm.rl.update import PPOUpdate
-from ppoforge.runtime import distributed, rundir, runstate, trust
+from ppoforge.runtime import distributed, rundir, runloop, runstate, trust
 from ppoforge.runtime.checkpoint import resume_from, seed_everything, sharded_writer
 from ppoforge.runtime.device import resolve_device
 from ppoforge.runtime.metrics import MetricsLogger, first_and_last, open_run_dir, plot_curves, write_summary
 from ppoforge.runtime.progress import Progress
-from ppoforge.runtime.resilience import CollapseGuard, NonFiniteGuard, RunGuard, train_loop
+from ppoforge.runtime.resilience import CollapseGuard, NonFiniteGuard, RunGuard
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint"  # with `fsdp`: a torch.distributed.checkpoint directory (runtime/fsdp.py)
@@ -329,17 +329,11 @@ class RLHFTrainer:
 
     # ---- the run loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        """Train until total_updates or a stop signal: `open_run`, `train_loop` with `after_update`, `finish`,
-        `close_run`. The Python API's `step()` runs the same pieces one update at a time (ppoforge/api.py)."""
-        self.open_run()
-        try:
-            stopped = train_loop(self, self.run_guard, self.cfg.total_updates, self.cfg.checkpoint_every,
-                                 self.after_update)
-            export = self.finish() if self.update == self.cfg.total_updates and not stopped else None
-        finally:
-            self.close_run()
+        """Train until total_updates or a stop signal (`runtime/runloop.py`: the pieces below, as the Python
+        API's `step()` runs them one update at a time), then the curves."""
+        result = runloop.run(self, self.cfg.total_updates, self.cfg.checkpoint_every)
         self.plot()
-        return self.summarize(stopped, export)
+        return result
 
     def open_run(self) -> None:
         """Before this process's first update: the run dir's config and logs (`open_run_dir`), the data report,
