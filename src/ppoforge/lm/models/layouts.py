@@ -52,6 +52,7 @@ from ppoforge.lm.models.parts import (
     lora_config,
     lora_wrap,
     merged_lora,
+    output_head,
     policy_adapter,
     response_hidden,
     yielding,
@@ -193,7 +194,7 @@ class LoraLayout:
         return None if self.critic_adapter or self.value_head is None else self.value_head(hidden)
 
     def logits(self, hidden):
-        return self.policy_model.get_output_embeddings()(hidden)
+        return output_head(self.policy_model)(hidden)
 
     def ref_forward(self, rows):
         """The base with adapters off (peft's disabled-adapter forward)."""
@@ -202,7 +203,7 @@ class LoraLayout:
 
     def ref_logits(self, hidden):
         with self.peft.disable_adapter():  # matters only when the LM head itself has an adapter
-            return self.policy_model.get_output_embeddings()(hidden)
+            return output_head(self.policy_model)(hidden)
 
     def named_trainable(self):
         return self._trainable
@@ -305,13 +306,13 @@ class FullLayout:
         return None  # the critic is its own trunk
 
     def logits(self, hidden):
-        return self.policy_model.get_output_embeddings()(hidden)
+        return output_head(self.policy_model)(hidden)
 
     def ref_forward(self, rows):
         return self.reference.response_hidden(rows)
 
     def ref_logits(self, hidden):
-        return self.reference.lm.get_output_embeddings()(hidden)
+        return output_head(self.reference.lm)(hidden)
 
     def named_trainable(self):
         return self._trainable

@@ -228,6 +228,18 @@ def head_size(lm: nn.Module) -> int:
     return lm.get_output_embeddings().weight.shape[0]
 
 
+def output_head(lm: nn.Module):
+    """`lm`'s LM head as its own forward applies it: the output embedding, then the logit soft-cap where the
+    config has one (Gemma 2's `final_logit_softcapping`: cap * tanh(logits / cap)). Every path that turns
+    hidden states into logits without the model's forward calls this, not the output embedding alone (which
+    left Gemma 2's logits uncapped: 11 nats off a log-prob)."""
+    head = lm.get_output_embeddings()
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    if not cap:
+        return head
+    return lambda hidden: torch.tanh(head(hidden) / cap) * cap
+
+
 def head_in_fp32(lm: nn.Module) -> nn.Module:
     """`lm_head_fp32`: the output embedding of `lm` computes in fp32 under autocast, from the fp32 hidden
     state (weights stored in bf16 are upcast, exactly). Under bf16 autocast the head's logits are otherwise

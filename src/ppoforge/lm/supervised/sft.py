@@ -28,6 +28,7 @@ from ppoforge.lm.models.parts import (
     head_size,
     lora_config,
     lora_wrap,
+    output_head,
 )
 from ppoforge.lm.models.sampler import SamplingParams, sample
 from ppoforge.lm.models.windows import attention_window, check_window
@@ -107,7 +108,7 @@ class SFTObjective:
         hidden = self.trunk(input_ids=batch.ids, use_cache=False, **masks)
         targets = batch.loss_mask[:, 1:].bool()
         hidden = hidden[:, :-1][targets]  # (N, H): positions that predict a target
-        return head_logprobs(self.lm.get_output_embeddings(), hidden, batch.ids[:, 1:][targets], self.vocab,
+        return head_logprobs(output_head(self.lm), hidden, batch.ids[:, 1:][targets], self.vocab,
                              entropy=False)[0]
 
     def loss(self, items):
