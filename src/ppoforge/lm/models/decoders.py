@@ -158,7 +158,9 @@ class LlamaDecoder:
     from a policy closer to the base than the one being trained.
     """
 
-    in_place = True  # read the weights unstacked where a stack would copy them (`_prepare_weights`)
+    # read the weights unstacked where a stack would copy them (`_prepare_weights`); under autocast over fp32
+    # weights the cast copy stays: recasting every token step would read each weight three times
+    in_place = True
 
     def __init__(self, model: nn.Module, linear_params: LinearParams = plain_linear_params,
                  adapter_params: AdapterParams = no_adapters, share_frozen: bool = False):
@@ -186,11 +188,8 @@ class LlamaDecoder:
           (autocast re-casts on every call outside one region; same values as its own cast);
         - stack q, k, v and gate, up: 4 matmuls per layer and token instead of 7; with `share_frozen` (the
           LoRA base, frozen and already in the compute dtype) the model's own weights then become views of
-          the stacks, so the decoder adds no copy (on CPU the oneDNN-packed stacks are a copy still). The
-          full layout's trained weights, already in the compute dtype and not packed (a GPU's path), are
-          read as they are (`prepared.parts_linear`: 7 matmuls, no copy): stacks would be a second model;
-          under autocast over fp32 weights the cast copy stays (recasting every token step would read
-          each weight three times);
+          the stacks, so the decoder adds no copy (on CPU the oneDNN-packed stacks are a copy still); the
+          full layout's, unpacked in their own dtype, are read in place (`in_place`: 7 matmuls, no copy);
         - on CPU, also reorder them into oneDNN's blocked layout (bf16 where the CPU can). Decoding a few
           rows streams every weight from memory once per token, and plain F.linear repacks it on each call:
           prepacked, the decode's matmuls run ~1.5x faster in bf16, with bit-identical results (tested), and

@@ -226,10 +226,8 @@ class RLHFTrainer(RunLog):
                         "perf/generation_share": gen_s / elapsed, "perf/update_s": elapsed,
                         "perf/world_size": self.world.size, "perf/rank_rollout": len(batch.rows),
                         **engine_metrics(self.engine, b)})
-        table = distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
-                                         zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
         self.check_collapse(metrics, all_scores)  # 6. a degenerating policy is named and stopped, not trained on
-        return metrics, table
+        return metrics, _table(batch, b)
 
     def set_learning_rate(self) -> float:
         """This update's learning rate, set on the optimizer: the configured one, lowered by each non-finite
@@ -320,6 +318,12 @@ class RLHFTrainer(RunLog):
         result = runloop.run(self, self.cfg.total_updates, self.cfg.checkpoint_every)
         self.plot()
         return result
+
+def _table(batch: Batch, b: Rollout) -> list[dict]:
+    """The update's completions table: every rank's (prompt, completion, score) rows, gathered."""
+    return distributed.gather_rows([{"prompt": p, "completion": t, "score": s} for p, t, s in
+                                    zip(batch.prompts, batch.texts, b.returns().tolist(), strict=True)])
+
 
 def engine_metrics(engine, b: Rollout) -> dict[str, float]:
     """perf/weight_sync_s; where an inexact engine (vLLM) sampled, rollout/logprob_mismatch_mean and _max:
