@@ -5,6 +5,7 @@ that neither side was tuned on.
     .venv/bin/python benchmarks/learning_battery.py run --seeds 1,2       # the battery (both sides, per update)
     .venv/bin/python benchmarks/learning_battery.py run --tasks products,gcd --seeds 1 --max-updates 8
     .venv/bin/python benchmarks/learning_battery.py report --inputs A/learning_battery.json B/learning_battery.json
+    .venv/bin/python benchmarks/learning_battery.py run --tasks products --work /tmp/battery-products-XXXX  # continue
 
 Each task (TASKS: six kinds — arithmetic other than chain_sum, counting, ordering, string manipulation, a
 date task, a short word problem) is built by `learning_task.build_task`: its own few-shot header (two solved
@@ -67,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl-venv", default=str(HERE.parent / ".bench-venvs" / "trl-current"))
     p.add_argument("--sides", default="ppoforge,trl")
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--work", default=None, help="run: one task's work dir to continue (a run cut short): its task "
+                   "files kept, each seed and side whose run reached --max-updates reused, the rest run")
     p.add_argument("--timeout", type=float, default=3600.0, help="per worker")
     p.add_argument("--quiet-wait", type=float, default=0.0, help="learning is not timed: no wait by default")
     return p.parse_args()
@@ -102,14 +105,17 @@ def probe(args: argparse.Namespace, model_dir: Path) -> None:
 
 def run_task(args: argparse.Namespace, name: str, model_dir: Path) -> dict:
     """One task: both sides for every seed, then every snapshot scored."""
-    work = Path(tempfile.mkdtemp(prefix=f"battery-{name}-"))
-    info = learning_task.build_task(work / "task", name, *TASKS[name], heldout=args.heldout)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"battery-{name}-"))
+    kept = work / "task" / "task.json"
+    info = (json.loads(kept.read_text()) if kept.is_file()
+            else learning_task.build_task(work / "task", name, *TASKS[name], heldout=args.heldout))
     print(f"[task] {name}: {info['train_rows']} training rows, {info['heldout_rows']} held out, prompts <= "
           f"{info['prompt_tokens']} tokens; work dir {work}", flush=True)
     wargs, runs = worker_args(args), {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side in args.sides.split(","):
-            runs.setdefault(str(seed), {})[side] = learning_vs_trl.train_side(side, wargs, work, model_dir, seed)
+            runs.setdefault(str(seed), {})[side] = (_finished(side, work / f"seed{seed}" / side, args.max_updates)
+                                                   or learning_vs_trl.train_side(side, wargs, work, model_dir, seed))
     ev = evaluator(model_dir, work / "task", args.samples)
     start = {"updates": 0, "train_s": 0.0, **ev.score(None)}
     for sides in runs.values():
@@ -118,6 +124,17 @@ def run_task(args: argparse.Namespace, name: str, model_dir: Path) -> dict:
                                          **ev.score(Path(side["dir"]) / f"snap_{s['snapshot']}.safetensors")}
                                         for s in side["snapshots"]]
     return {"task": info, "runs": runs, "curves": learning_vs_trl.mean_curves(runs, "updates")}
+
+
+def _finished(side: str, out: Path, updates: int) -> dict | None:
+    """A side's run in `out` that reached `updates` (kept by --work), else None."""
+    snapshots = out / "snapshots.jsonl"
+    if not (out / "run.json").is_file() or not snapshots.is_file():
+        return None
+    if max((r["updates"] for r in learning_task.read_rows(snapshots)), default=0) < updates:
+        return None
+    print(f"[run] {side}: reusing {out}", flush=True)
+    return learning_vs_trl.side_result(side, out, None)
 
 
 def table(results: dict) -> list[str]:

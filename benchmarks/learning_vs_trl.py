@@ -272,7 +272,11 @@ def train_side(name: str, args: argparse.Namespace, work: Path, model_dir: Path,
                "--model-dir", str(model_dir), "--precision", args.trl_precision]
     print(f"[run] {name}, seed {seed}: {args.budget_s:.0f} s of training"
           + (f" or {args.max_updates} updates" if args.max_updates else ""), flush=True)
-    load = run(cmd, args, out.with_suffix(".log"))
+    return side_result(name, out, run(cmd, args, out.with_suffix(".log")))
+
+
+def side_result(name: str, out: Path, load) -> dict:
+    """A side's finished run in `out` (run.json, snapshots.jsonl) as `train_side` returns it."""
     info = json.loads((out / "run.json").read_text())
     label = (f"ppoforge {info['version']} ({info['resolved_precision']}"
              f"{' emulated' if info.get('emulate_bf16') else ''}, "
