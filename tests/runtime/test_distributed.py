@@ -48,9 +48,13 @@ def test_sliced_rng_draws_the_global_batch_and_keeps_its_rows():
 
 
 def test_global_statistics_with_one_rank_are_the_single_process_ones_bit_for_bit():
+    """One process takes the N-rank path (float64 sums, rounded once to x's dtype): whiten with or without
+    `all_sum` is the same computation, and the statistics are the float64 masked ones."""
     x, mask = torch.randn(5, 7), (torch.rand(5, 7) > 0.3).float()
     mean, var = global_mean_var(x, mask, lambda t: t)
-    assert torch.equal(mean, masked_mean(x, mask)) and torch.equal(var, masked_var(x, mask))
+    assert mean.dtype == var.dtype == x.dtype
+    x64, mask64 = x.double(), mask.double()
+    assert torch.equal(mean, masked_mean(x64, mask64).float()) and torch.equal(var, masked_var(x64, mask64).float())
     assert torch.equal(whiten(x, mask, all_sum=lambda t: t), whiten(x, mask))
 
 
