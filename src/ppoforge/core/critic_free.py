@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ppoforge.core.advantages import gae
-from ppoforge.core.stats import global_mean_var, whiten
+from ppoforge.core.stats import global_mean_var, local_sum, whiten
 
 SCALES = ("group", "batch", "none")
 RLOO_SCALES = ("batch", "none")
@@ -77,16 +77,11 @@ def _scaled(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, scale: st
     if scale == "group":  # float64: a flat group's std is exactly 0, and its advantages are already 0
         std = groups(rewards.double(), group_size).std(1).repeat_interleave(group_size).to(rewards.dtype)
     elif scale == "batch":
-        std = global_mean_var(rewards, None, all_sum or _local)[1].sqrt()  # one process: the same sums
+        std = global_mean_var(rewards, None, all_sum or local_sum)[1].sqrt()  # one process: the same sums
         std = std.expand_as(rewards)
     else:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     return adv / (std + eps)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """`all_sum` at world 1: statistics computed as N ranks compute them, so 1 and N ranks agree."""
-    return t
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = STD_EPS,
@@ -106,7 +101,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none",
         return adv
     if scale != "batch":
         raise ValueError(f"rloo's scale must be one of {RLOO_SCALES}, got {scale!r}")
-    mean, var = global_mean_var(adv, None, all_sum or _local)
+    mean, var = global_mean_var(adv, None, all_sum or local_sum)
     return (adv - mean) / (var.sqrt() + eps)
 
 

@@ -43,6 +43,11 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor | None = None, unbiased: bool
     return sq * n / (n - 1).clamp(min=1) if torch.is_tensor(n) else sq * n / max(n - 1, 1)
 
 
+def local_sum(t: torch.Tensor) -> torch.Tensor:
+    """`all_sum` at world 1: statistics computed as N ranks compute them, so 1 and N ranks agree."""
+    return t
+
+
 def global_mean_var(x: torch.Tensor, mask: torch.Tensor | None, all_sum) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and Bessel-corrected variance over the masked entries of every rank's `x`: `all_sum` sums a
     tensor over ranks (runtime.distributed.all_sum). Two passes like `masked_var` (mean first, then the
@@ -63,7 +68,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool =
     """(x - mean) / std over the masked entries; padded entries come back as 0. With `all_sum` (data
     parallel: a sum over ranks) the statistics are those of all ranks' entries together; one process
     computes them the same way (float64 sums, `global_mean_var`), so 1 and N ranks agree to the bit."""
-    mean, var = global_mean_var(x, mask, all_sum or (lambda t: t))
+    mean, var = global_mean_var(x, mask, all_sum or local_sum)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
