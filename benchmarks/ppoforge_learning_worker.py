@@ -84,7 +84,7 @@ def main() -> None:
     trainer = RLHFTrainer(cfg, Path(run_dir.name))
     trained, mark, snaps = 0.0, args.every_s, 0
     watched = ("objective/scores", "objective/entropy", "completions/clipped_ratio", "objective/response_length",
-               "policy/clipfrac_avg", "train/grad_norm")
+               "policy/clipfrac_avg", "policy/grad_norm", "policy/entropy_avg")
     with open(out / "snapshots.jsonl", "w") as log, open(out / "updates.jsonl", "w") as per_update:
         while trained < args.budget_s and trainer.update < (args.max_updates or 10**9):
             start = time.perf_counter()

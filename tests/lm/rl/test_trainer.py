@@ -626,3 +626,14 @@ def test_a_lora_run_whose_decoder_shares_the_base_exports_and_resumes(cfg_for, t
     result = train(cfg_for(total_updates=2, checkpoint_every=1), tmp_path)
     assert result.updates == 2 and result.export == tmp_path / "model"
     assert load_causal_lm(str(result.export)) is not None
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e9, 1e-3], ids=["unclipped", "clipped"])
+def test_grad_norm_is_the_step_gradients_norm_before_the_clip(cfg_for, tmp_path, max_grad_norm):
+    """`policy/grad_norm` (TRL's grad_norm) is the global norm of the step's gradients before clipping:
+    one mini-batch, so the gradients left in .grad after the update are that step's, clipped to the cap."""
+    trainer = RLHFTrainer(cfg_for(max_grad_norm=max_grad_norm), tmp_path, reward_fn=word_reward)
+    metrics, _ = trainer.train_one_update()
+    left = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in _grads(trainer).values()]))
+    assert metrics["policy/grad_norm"] > 1e-3
+    assert left.item() == pytest.approx(min(metrics["policy/grad_norm"], max_grad_norm), rel=1e-4)

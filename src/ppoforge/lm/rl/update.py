@@ -60,6 +60,7 @@ class PPOUpdate:
         counts it)."""
         cfg, keys = self.cfg, self.loss_keys + self.token_keys
         totals, n_mini = torch.zeros(1 + len(keys), device=b.resp.device), 0
+        norms = torch.zeros((), device=b.resp.device)  # the gradient norms before clipping, TRL's grad_norm
         k = self.unit = self.plan.k  # the rollout's, as the scoring passes ran it: old log-probs match
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(cfg.rollout_size, generator=self.gen, device=self.gen.device).to(b.resp.device)
@@ -77,8 +78,10 @@ class PPOUpdate:
                 self.on_step()
                 self.precision.apply(optimizer, skip=not ok)
                 totals += sums if ok else 0
+                norms += norm.float() if ok else 0
                 n_mini += ok
-        return dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
+        stats = dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
+        return stats | {"policy/grad_norm": norms / max(n_mini, 1)}
 
     def _flat(self, b: Rollout, mb: torch.Tensor) -> bool:
         """`skip_flat_rollouts` per mini-batch: every advantage of its rows on every rank is 0 (one all-reduce)."""
