@@ -146,8 +146,10 @@ def replay_ppoforge(args: argparse.Namespace) -> dict:
     rec = torch.load(args.record, weights_only=False)
     torch.set_num_threads(args.threads)
     preset = read_preset("arithmetic_demo", "rlhf")
+    task = json.loads((Path(args.task_dir) / "task.json").read_text())["settings"]  # a battery task's budget
     cfg = build_config(RLHFConfig, {
-        **preset, "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
+        **preset, **{k: task[k] for k in ("max_new_tokens",) if k in task},
+        "prompts": str(Path(args.task_dir) / "train.jsonl"), "heldout_prompts": None,
         "reward": f"py:{HERE / 'learning_task.py'}:answer_reward", "total_updates": 100, "seed": args.seed,
         "precision": "fp32", "torch_threads": args.threads, "checkpoint_every": 10**9, "tensorboard": False,
         "progress": False, "max_prompt_tokens": 1024})
@@ -189,6 +191,7 @@ def replay_ppoforge(args: argparse.Namespace) -> dict:
                "ppoforge_mean_score": metrics["objective/scores"],
                "ppoforge_loss": metrics.get("loss/policy_avg"), "trl_loss": sum(step["losses"]),
                "flat_skipped": metrics["guard/flat_rollout_skipped"],
+               "shared_prefix_unit": metrics["perf/shared_prefix_unit"],  # k > 1: one prompt row per group
                "lr": {"trl": step.get("lr"), "ppoforge": seen.get("lr")}}
         if "adv" in seen:  # ppoforge's (B, T) on every token of a response; TRL's (B,)
             row["adv_max_abs_diff"] = float((seen["adv"][:, 0] - step["advantages"]).abs().max())

@@ -78,6 +78,7 @@ def main() -> None:
         "precision": args.precision, "torch_threads": args.threads, "checkpoint_every": 10**9,
         "tensorboard": False, "progress": False, "lm_head_fp32": args.lm_head_fp32,
         "rollout_engine": args.rollout_engine,
+        "collapse_patience": 0,  # TRL's side has no such guard: both sides train every update, and are compared
         **({"batch_size": args.batch_size, "mini_batch_size": args.batch_size * preset["num_generations"]}
            if args.batch_size else {})})
     run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")

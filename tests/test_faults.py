@@ -407,6 +407,9 @@ def reward_module(tmp_path, monkeypatch):
                 return [float("nan") for c in completions]
             if os.environ.get("REWARD_MODE") == "collapse":  # learned at update 1, then nothing earns
                 return [1.0 if len(calls) == 1 else 0.0 for c in completions]
+            if os.environ.get("REWARD_MODE") == "one_way":  # groups split twice, then the 1st prompt right only
+                half = len(completions) // 2
+                return [float(i % 2 if len(calls) <= 2 else i < half) for i in range(len(completions))]
             return [float(len(c)) for c in completions]
     """))
     monkeypatch.chdir(tmp_path)
@@ -452,6 +455,23 @@ def test_a_run_whose_reward_collapses_is_stopped_by_the_collapse_guard_with_one_
     code, err = _cli(capsys, *_rlhf_args(tiny_model, tmp_path / "off", reward_module, "--total-updates", "6",
                                          "--collapse-patience", "0"))
     assert code == 0, err
+
+
+def test_a_grpo_run_whose_groups_stop_splitting_is_named_and_stopped(capsys, tmp_path, tiny_model, reward_module,
+                                                                   monkeypatch):
+    """Two prompts x 4 completions: every group splits at updates 1 and 2; from update 3 each prompt's
+    completions score alike (the 1st prompt's 1, the 2nd's 0): no group has a signal. After groups that
+    always split, the first such rollout is a sign; the 3rd in a row stops the run (update 5, keeping 4)."""
+    monkeypatch.setenv("REWARD_MODE", "one_way")
+    run = tmp_path / "run"
+    args = _rlhf_args(tiny_model, run, reward_module, "--total-updates", "8", "--advantage", "grpo",
+                      "--num-generations", "4", "--mini-batch-size", "8", "--micro-batch-size", "8")
+    code, err = _cli(capsys, *args)
+    assert code == 1 and len(error_lines(err)) == 1, err
+    assert "the policy degenerated for 3 updates in a row (update 5: every prompt's completions scored alike " \
+           "for 6 prompts in a row" in err, err
+    assert [m["guard/collapse_streak"] for m in read_metrics(run / "metrics.jsonl")] == [0, 0, 1, 2]
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["update"] == 4
 
 
 def test_a_reward_that_is_always_nan_rolls_back_max_rollbacks_times_then_stops_with_one_line(

@@ -343,6 +343,40 @@ def test_a_sparse_reward_whose_rollouts_are_often_flat_is_no_collapse():
     assert run(4) == [False, False, False, True]
 
 
+def test_a_policy_that_answers_each_prompt_one_way_is_named_after_more_groups_than_chance_gives():
+    """Issue 36's true/false task: after a few updates every prompt's 8 completions agree — right on some
+    prompts, wrong on others (the scores differ, no group's do), so no group has a signal and the run learns
+    nothing more. Where 3 of 4 earlier groups split, 4 one-way groups in a row are 1 in 256 (no sign), 8 are
+    named. A run whose groups split less often (a confident policy, 1 group in 4) needs more; a policy right
+    on every prompt (every score at the best) is done, not stuck; without groups (PPO, G = 1) no sign."""
+    from ppoforge.runtime.resilience import CollapseGuard
+
+    def one_way(split, rollouts, bests=(1.0, 0.0, 1.0, 0.0)):
+        guard = CollapseGuard(3, "stop")
+        for i in range(8):  # healthy rollouts: 4 prompts, the groups `split(k)` says split (scores 0 and 1)
+            worsts = [0.0 if split(4 * i + j) else 1.0 for j in range(4)]
+            guard.signs(0.2, 0.0, 0.5, 0.0, 1.0, [1.0] * 4, worsts)
+        return [guard.signs(0.01, 0.0, sum(bests) / 4, min(bests), max(bests), list(bests), list(bests))
+                for _ in range(rollouts)], guard
+
+    signs, guard = one_way(lambda k: k % 4 != 0, 3)  # q = 3/4: (1/4) ** 4 = 3.9e-3, (1/4) ** 8 = 1.5e-5
+    assert signs == [[]] + [[f"every prompt's completions scored alike for {n} prompts in a row (earlier in the "
+                             "run: 25% of prompts'), right on some and wrong on others: no group has a learning "
+                             "signal"] for n in (8, 12)]
+    assert guard.one_way_groups == 12
+    restored = CollapseGuard(3, "stop")
+    restored.load_state_dict(guard.state_dict())
+    assert vars(restored) == vars(guard)
+    guard.signs(0.2, 0.0, 0.5, 0.0, 1.0, [1.0] * 4, [0.0, 1.0, 1.0, 1.0])  # a group split: the streak ends
+    assert guard.one_way_groups == 0 and guard.splits[-16:-4] == [False] * 12
+    rare, _ = one_way(lambda k: k % 4 == 0, 7)  # q = 1/4: (3/4) ** 24 = 1.004e-3, (3/4) ** 28 = 3.2e-4
+    assert [s != [] for s in rare] == [False] * 6 + [True]
+    solved, _ = one_way(lambda k: k % 4 != 0, 5, bests=(1.0,) * 4)
+    assert solved == [[]] * 5
+    no_groups = CollapseGuard(3, "stop")
+    assert [no_groups.signs(0.2, 0.0, 0.5, 0.0, 1.0, [1.0, 0.0]) for _ in range(20)] == [[]] * 20
+
+
 def test_the_collapse_guard_acts_after_patience_updates_in_a_row_and_resets_on_a_good_one():
     from ppoforge.errors import Fault
     from ppoforge.runtime.resilience import CollapseGuard

@@ -179,6 +179,11 @@ class CollapseGuard:
       rollouts in 42). p is a rate of prompts, not the mean score scaled to its range: a sparse reward (a
       few small scores, most 0: VADER on a tiny model's text) has a mean near its floor while 1 prompt in
       8 scores above it, and a flat rollout there is common, not a sign (issue 37).
+    - one way: with groups (GRPO's G completions of a prompt), every group's scores equal while the prompts'
+      differ (right on some, wrong on others) — the policy answers each prompt one way and no group has a
+      signal left; for so many groups in a row that chance cannot explain it: (1 - q) ** groups <=
+      `REWARD_CHANCE`, with q the share of the run's earlier groups (the last `HISTORY`) whose scores split
+      (issue 36: a true/false task, both TRL and ppoforge, the sampled entropy ~0 and nothing learned after).
 
     An update with any sign adds to a streak, one without resets it; at `patience` (0: off) the run
     stops (`Fault`, one line: the signs and what to change) or rolls back (`Rollback`)."""
@@ -196,12 +201,14 @@ class CollapseGuard:
         self.bests: list[float] = []  # each earlier prompt's best score, before the current flat streak
         self.streak_bests: list[float] = []  # the current streak of flat rollouts' prompts
         self.flat_prompts = 0
+        self.splits: list[bool] = []  # did each earlier group's scores differ? (with groups, `worsts` given)
+        self.one_way_groups = 0  # the current streak of rollouts whose every group is flat
 
     def signs(self, entropy: float, clipped: float, reward: float, low: float, high: float,
-              bests: list[float] | None = None) -> list[str]:
+              bests: list[float] | None = None, worsts: list[float] | None = None) -> list[str]:
         """The signs of this rollout: its token entropy, share of completions at the budget, mean score,
         lowest and highest score, and each prompt's best score (its independent groups of scores; None: one
-        group, whose best is `high`)."""
+        group, whose best is `high`) and, where a prompt has several completions, each prompt's worst."""
         bests = [high] if bests is None else list(bests)
         first = self.first = self.first or {"entropy": entropy, "clipped": clipped}
         out = []
@@ -210,6 +217,14 @@ class CollapseGuard:
         if clipped >= self.BUDGET_SHARE and first["clipped"] < 0.5 and reward < self.best_reward:
             out.append(f"{clipped:.0%} of completions hit max_new_tokens (update 1: {first['clipped']:.0%})")
         self.low, self.high = min(self.low, low), max(self.high, high)
+        out += self._flat_reward(reward, low, high, bests)
+        if worsts is not None:
+            out += self._one_way(low, high, [b != w for b, w in zip(bests, worsts, strict=True)])
+        self.best_reward = max(self.best_reward, reward)
+        return out
+
+    def _flat_reward(self, reward: float, low: float, high: float, bests: list[float]) -> list[str]:
+        """The reward sign: every score equal, fallen from the run's best, for more prompts than chance gives."""
         span = self.high - self.low
         if low == high and self.best_reward - reward >= self.REWARD_FALL * span > 0:
             self.flat_prompts += len(bests)
@@ -217,18 +232,33 @@ class CollapseGuard:
             # the run's rate before this streak; none seen (a resumed old checkpoint): no evidence yet
             p = sum(b > reward for b in self.bests) / len(self.bests) if self.bests else 0.0
             if (1 - p) ** self.flat_prompts <= self.REWARD_CHANCE:
-                out.append(f"every score {reward:.3g} for {self.flat_prompts} prompts in a row, below the run's "
-                           f"best mean {self.best_reward:.3g}")
-        else:  # the streak ended: its flat prompts are part of the run's record from now on
-            self.bests = (self.bests + self.streak_bests + list(bests))[-self.HISTORY:]
-            self.flat_prompts, self.streak_bests = 0, []
-        self.best_reward = max(self.best_reward, reward)
-        return out
+                return [f"every score {reward:.3g} for {self.flat_prompts} prompts in a row, below the run's "
+                        f"best mean {self.best_reward:.3g}"]
+            return []
+        # the streak ended: its flat prompts are part of the run's record from now on
+        self.bests = (self.bests + self.streak_bests + list(bests))[-self.HISTORY:]
+        self.flat_prompts, self.streak_bests = 0, []
+        return []
+
+    def _one_way(self, low: float, high: float, splits: list[bool]) -> list[str]:
+        """The one-way sign: every group flat while the prompts' scores differ, for more groups than chance
+        gives at the run's earlier rate of groups that split."""
+        if low < high and not any(splits):
+            self.one_way_groups += len(splits)
+            q = sum(self.splits) / len(self.splits) if self.splits else 0.0
+            if (1 - q) ** self.one_way_groups <= self.REWARD_CHANCE:
+                return [f"every prompt's completions scored alike for {self.one_way_groups} prompts in a row "
+                        f"(earlier in the run: {1 - q:.0%} of prompts'), right on some and wrong on others: no "
+                        "group has a learning signal"]
+            return []
+        self.splits = (self.splits + [False] * self.one_way_groups + splits)[-self.HISTORY:]
+        self.one_way_groups = 0
+        return []
 
     def check(self, update: int, entropy: float, clipped: float, reward: float, low: float, high: float,
-              bests: list[float] | None = None) -> None:
+              bests: list[float] | None = None, worsts: list[float] | None = None) -> None:
         """After each update, with its rollout's figures (`signs`); raises when the streak reaches patience."""
-        signs = self.signs(entropy, clipped, reward, low, high, bests)
+        signs = self.signs(entropy, clipped, reward, low, high, bests, worsts)
         self.streak = self.streak + 1 if signs else 0
         if not self.patience or self.streak < self.patience:
             return
@@ -237,12 +267,13 @@ class CollapseGuard:
         if self.action == "rollback":
             raise Rollback(what)
         raise Fault(f"{what}: stopped; allowed: a lower learning_rate, precision fp32, dynamic_sampling: true, "
-                    "a smaller clip_high, kl_coef > 0, or collapse_action: rollback, or collapse_patience: 0 (off)")
+                    "a smaller clip_high, kl_coef > 0, ent_coef > 0, or collapse_action: rollback, or "
+                    "collapse_patience: 0 (off)")
 
     def state_dict(self) -> dict:
         return {"first": self.first, "best_reward": self.best_reward, "low": self.low, "high": self.high,
                 "streak": self.streak, "bests": list(self.bests), "streak_bests": list(self.streak_bests),
-                "flat_prompts": self.flat_prompts}
+                "flat_prompts": self.flat_prompts, "splits": list(self.splits), "one_way_groups": self.one_way_groups}
 
     def load_state_dict(self, state: dict) -> None:
         self.first, self.best_reward, self.streak = state["first"], state["best_reward"], state["streak"]
@@ -250,6 +281,7 @@ class CollapseGuard:
         # checkpoints from before the per-prompt record lack it: the record restarts from here
         self.bests, self.streak_bests = list(state.get("bests", [])), list(state.get("streak_bests", []))
         self.flat_prompts = state.get("flat_prompts", 0) if "bests" in state else 0
+        self.splits, self.one_way_groups = list(state.get("splits", [])), state.get("one_way_groups", 0)
 
 
 class RunGuard:

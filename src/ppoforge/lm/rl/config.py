@@ -145,8 +145,9 @@ class RLHFConfig(RLHFChecks, FaultConfig):
     clip_high: float | None = param(None, "upper ratio clip 1 + this, DAPO's clip-higher (none: 1 + clip)",
                                     gt=0, hi=100.0)
     collapse_patience: int = param(3, "updates in a row with a sign of collapse (entropy 2x update 1's, 90% of "
-                                   "completions at max_new_tokens, the reward fallen to a flat floor: "
-                                   "runtime/resilience.py CollapseGuard) before collapse_action; 0: off",
+                                   "completions at max_new_tokens, the reward fallen to a flat floor, every "
+                                   "group's completions scored alike: runtime/resilience.py CollapseGuard) "
+                                   "before collapse_action; 0: off",
                                    lo=0, hi=10_000, resume=True)
     collapse_action: str = param("stop", "then: stop (one line naming the signs, exit 1) or rollback (the last "
                                  "checkpoint, the learning rate x rollback_lr_factor)", choices=("stop", "rollback"),

@@ -242,10 +242,12 @@ class RLHFTrainer(RunLog):
     def check_collapse(self, metrics: dict, scores: torch.Tensor) -> None:
         """The collapse guard on this update's rollout: token entropy, share at the budget, scores (the global
         rollout's, each prompt's num_generations in a row)."""
-        bests = scores.view(-1, self.cfg.num_generations).amax(1).tolist()
+        groups = scores.view(-1, self.cfg.num_generations)
+        worsts = groups.amin(1).tolist() if self.cfg.num_generations > 1 else None  # one completion: no group
         self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
                             metrics["completions/clipped_ratio"], metrics["objective/scores"],
-                            metrics["objective/score_min"], metrics["objective/score_max"], bests)
+                            metrics["objective/score_min"], metrics["objective/score_max"], groups.amax(1).tolist(),
+                            worsts)
         metrics["guard/collapse_streak"] = self.collapse.streak
 
     def draw(self) -> Drawn:
