@@ -243,7 +243,8 @@ class RLHFTrainer(RunLog):
         """The collapse guard on this update's rollout: token entropy, share at the budget, scores (the global
         rollout's, each prompt's num_generations in a row)."""
         groups = scores.view(-1, self.cfg.num_generations)
-        worsts = groups.amin(1).tolist() if self.cfg.num_generations > 1 else None  # one completion: no group
+        # a group's own signal: critic-free estimators only (a critic's advantages need no spread in a group)
+        worsts = groups.amin(1).tolist() if self.cfg.num_generations > 1 and not self.cfg.has_critic else None
         self.collapse.check(self.update, metrics["objective/entropy"] / max(metrics["objective/response_length"], 1),
                             metrics["completions/clipped_ratio"], metrics["objective/scores"],
                             metrics["objective/score_min"], metrics["objective/score_max"], groups.amax(1).tolist(),
