@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
                    help="bf16 matmuls computed as bf16 hardware rounds them, at fp32 speed (bf16_emulation.py)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="prompts per update (default: the preset's 4); still one optimizer step per rollout")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a config field over the preset's (a YAML value), e.g. skip_flat_rollouts=false; repeatable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args()
@@ -52,6 +54,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     import torch
+    import yaml
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -80,7 +83,8 @@ def main() -> None:
         "rollout_engine": args.rollout_engine,
         "collapse_patience": 0,  # TRL's side has no such guard: both sides train every update, and are compared
         **({"batch_size": args.batch_size, "mini_batch_size": args.batch_size * preset["num_generations"]}
-           if args.batch_size else {})})
+           if args.batch_size else {}),
+        **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}})
     run_dir = tempfile.TemporaryDirectory(prefix="bench-learning-ppoforge-")
     trainer = RLHFTrainer(cfg, Path(run_dir.name))
     trained, mark, snaps = 0.0, args.every_s, 0
@@ -109,7 +113,7 @@ def main() -> None:
     (out / "run.json").write_text(json.dumps({
         "framework": "ppoforge", "version": ppoforge.__version__, "torch": torch.__version__,
         "precision": args.precision, "lm_head_fp32": args.lm_head_fp32,
-        "rollout_engine": args.rollout_engine, "emulate_bf16": args.emulate_bf16,
+        "rollout_engine": args.rollout_engine, "emulate_bf16": args.emulate_bf16, "set": args.set,
         "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
         "updates": trainer.update, "train_s": trained, "completions_per_update": cfg.batch_size * cfg.num_generations,
         "settings": {k: getattr(cfg, k) for k in ("num_generations", "batch_size", "learning_rate", "lora_r",
