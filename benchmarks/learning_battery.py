@@ -24,6 +24,7 @@ snapshot against the seeds' spread) and learning_battery.png (one panel per task
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -117,13 +118,28 @@ def run_task(args: argparse.Namespace, name: str, model_dir: Path) -> dict:
             runs.setdefault(str(seed), {})[side] = (_finished(side, work / f"seed{seed}" / side, args.max_updates)
                                                    or learning_vs_trl.train_side(side, wargs, work, model_dir, seed))
     ev = evaluator(model_dir, work / "task", args.samples)
-    start = {"updates": 0, "train_s": 0.0, **ev.score(None)}
+    score = scorer(ev, work / f"scores_{args.samples}.json")
+    start = {"updates": 0, "train_s": 0.0, **score(None)}
     for sides in runs.values():
         for side in sides.values():
             side["points"] = [start] + [{"updates": s["updates"], "train_s": s["train_s"], "train_score": s["score"],
-                                         **ev.score(Path(side["dir"]) / f"snap_{s['snapshot']}.safetensors")}
+                                         **score(Path(side["dir"]) / f"snap_{s['snapshot']}.safetensors")}
                                         for s in side["snapshots"]]
     return {"task": info, "runs": runs, "curves": learning_vs_trl.mean_curves(runs, "updates")}
+
+
+def scorer(ev: learning_vs_trl.Evaluator, cache: Path):
+    """`ev.score`, remembered in `cache` by the snapshot's sha256 (None: the untrained model): a run continued
+    with --work scores only its new snapshots (the evaluator is seeded, so a score is the same each time)."""
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+
+    def score(snapshot: Path | None) -> dict:
+        key = hashlib.sha256(snapshot.read_bytes()).hexdigest() if snapshot else "untrained"
+        if key not in known:
+            known[key] = ev.score(snapshot)
+            cache.write_text(json.dumps(known, indent=1))
+        return known[key]
+    return score
 
 
 def _finished(side: str, out: Path, updates: int) -> dict | None:
