@@ -146,10 +146,11 @@ def test_two_ranks_under_torchrun_write_one_summary_equal_to_one_process(tmp_pat
     assert run.stderr.count("ppoforge pipeline: ppo in") == 1
     a, b = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert a.keys() == b.keys() == {"sft", "reward", "ppo"}
-    for stage in a:
-        for key, value in a[stage].items():
+    for stage in a:  # the reward model's 2-rank sums round apart in the 6th digit (its train/grad_norm 3e-6):
+        for key, value in a[stage].items():  # PPO's scores carry that, and its gradient norm (~1.2) 1e-3 of it
+            rel = 3e-3 if key.endswith("grad_norm") else 1e-3
             if not key.startswith("perf/") and isinstance(value, float):
-                assert b[stage][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (stage, key)
+                assert b[stage][key] == pytest.approx(value, rel=rel, abs=1e-4), (stage, key)
 
 
 def test_a_pipeline_whose_run_dir_is_in_use_is_refused_before_any_stage_runs(tmp_path, capsys):
