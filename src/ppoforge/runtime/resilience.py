@@ -202,7 +202,7 @@ class CollapseGuard:
         self.streak_bests: list[float] = []  # the current streak of flat rollouts' prompts
         self.flat_prompts = 0
         self.splits: list[bool] = []  # did each earlier group's scores differ? (with groups, `worsts` given)
-        self.one_way_groups = 0  # the current streak of rollouts whose every group is flat
+        self.one_way_groups = 0  # groups in the current streak of rollouts whose every group is flat
 
     def signs(self, entropy: float, clipped: float, reward: float, low: float, high: float,
               bests: list[float] | None = None, worsts: list[float] | None = None) -> list[str]:
