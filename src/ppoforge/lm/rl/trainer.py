@@ -203,8 +203,7 @@ class RLHFTrainer(RunLog):
         flat = self.flat_rollout(trained)  # the advantages the loss sees: after mask_truncated
         trained = gather_rollout(trained, self.tokenizer.pad_token_id) if self.sharded else trained
         skipped = torch.tensor(float("nan"), device=b.resp.device)
-        stat_keys = (*sum(cfg.stat_keys, ()), "policy/grad_norm")
-        stats = self.ppo_update(trained) if finite and not flat else dict.fromkeys(stat_keys, skipped)
+        stats = self.ppo_update(trained) if finite and not flat else dict.fromkeys(self.ppo.stat_names, skipped)
         # 5. KL controller, bookkeeping, metrics (one host sync for all of them)
         seq_kl = distributed.all_mean(kl.sum(1).mean())
         self.kl_ctl.update(float(seq_kl), cfg.rollout_size)

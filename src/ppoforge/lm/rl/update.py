@@ -44,6 +44,7 @@ class PPOUpdate:
         self.gen, self.my_rows, self.on_step = generator, my_rows, on_step
         self.world, self.sharded = distributed.world(), layout.sharded
         self.loss_keys, self.token_keys = cfg.stat_keys
+        self.stat_names = (*self.loss_keys, *self.token_keys, "policy/grad_norm")  # what an update returns
         # (reduce, units) of every loss term; seq_sum_norm's constant is the most policy tokens a row can have
         self.agg = loss_aggregation(cfg.aggregation, cfg.max_new_tokens * cfg.max_turns)
         self.policy_loss = POLICY_LOSSES[cfg.policy_loss]  # ppo, gspo or cispo (core/policy_losses.py)
@@ -80,8 +81,8 @@ class PPOUpdate:
                 totals += sums if ok else 0
                 norms += norm.float() if ok else 0
                 n_mini += ok
-        stats = dict(zip(keys, (totals / max(n_mini, 1))[1:], strict=True))
-        return stats | {"policy/grad_norm": norms / max(n_mini, 1)}
+        means = [*(totals / max(n_mini, 1))[1:], norms / max(n_mini, 1)]
+        return dict(zip(self.stat_names, means, strict=True))
 
     def _flat(self, b: Rollout, mb: torch.Tensor) -> bool:
         """`skip_flat_rollouts` per mini-batch: every advantage of its rows on every rank is 0 (one all-reduce)."""
